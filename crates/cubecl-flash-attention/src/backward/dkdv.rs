@@ -1,0 +1,138 @@
+//! Backward step 2: `dK` and `dV`, one cube per (key block, batch·key/value head) and one
+//! unit per key row, looping over the query blocks that see the key block, for every query
+//! head of the GQA group in turn. Each key row's gradients are accumulated in f32
+//! registers and written once: no atomics, deterministic.
+//!
+//! Per query `i`: `P = exp(S − LSE)`, `dV += P · dOᵢ`, `dP = dOᵢ·V`, `dS = P ⊙ (dP − Dᵢ)`,
+//! `dK += dS · dS/d(q·k) · Qᵢ`.
+
+use cubecl::prelude::*;
+
+use crate::config::TileConfig;
+use crate::mask::Mask;
+use crate::score::{score, score_grad};
+use crate::tile::{load_rows, load_vector, read_row};
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_dkdv<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    d_out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    #[comptime] config: TileConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let block_k = config.block_rows;
+    let block_q = config.block_stream;
+    let dim_qk = config.dim_qk;
+    let dim_v = config.dim_v;
+
+    let seq_q = q.shape(2);
+    let seq_kv = k.shape(2);
+    let heads_kv = k.shape(1);
+    let group = q.shape(1) / heads_kv;
+    let batch = CUBE_POS_Y as usize / heads_kv;
+    let head_kv = CUBE_POS_Y as usize % heads_kv;
+    let k_begin = CUBE_POS_X as usize * block_k;
+    let k_end = min(k_begin + block_k, seq_kv);
+    let key = k_begin + UNIT_POS as usize;
+    let key_c = min(key, seq_kv - 1);
+
+    let mut k_row = Array::<f32>::new(dim_qk);
+    read_row(k, batch, head_kv, key_c, &mut k_row, dim_qk, config.unroll);
+    let mut v_row = Array::<f32>::new(dim_v);
+    read_row(v, batch, head_kv, key_c, &mut v_row, dim_v, config.unroll);
+    let mut dk_acc = Array::<f32>::new(dim_qk);
+    #[unroll(config.unroll)]
+    for c in 0..dim_qk {
+        dk_acc[c] = 0.0;
+    }
+    let mut dv_acc = Array::<f32>::new(dim_v);
+    #[unroll(config.unroll)]
+    for c in 0..dim_v {
+        dv_acc[c] = 0.0;
+    }
+
+    let mut q_tile = Shared::<[f32]>::new_slice(block_q * dim_qk);
+    let mut do_tile = Shared::<[f32]>::new_slice(block_q * dim_v);
+    let mut lse_tile = Shared::<[f32]>::new_slice(block_q);
+    let mut delta_tile = Shared::<[f32]>::new_slice(block_q);
+
+    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+    let mut q_first = 0i32;
+    let mut q_last = i32::cast_from(seq_q);
+    if config.masked {
+        q_first = mask.query_begin(i32::cast_from(k_begin));
+        q_last = mask.query_end(i32::cast_from(k_end));
+    }
+    let num_blocks = (max(q_last - q_first, 0) + i32::cast_from(block_q) - 1) / i32::cast_from(block_q);
+    let key_i = i32::cast_from(key);
+
+    for g in 0..group {
+        let head_q = head_kv * group + g;
+        for block in 0..num_blocks {
+            let q0 = q_first + block * i32::cast_from(block_q);
+            let q0_u = usize::cast_from(q0);
+            sync_cube();
+            load_rows(q, batch, head_q, q0_u, &mut q_tile, block_q, dim_qk, config.block_rows);
+            load_rows(d_out, batch, head_q, q0_u, &mut do_tile, block_q, dim_v, config.block_rows);
+            load_vector(lse, batch, head_q, q0_u, &mut lse_tile, block_q, config.block_rows);
+            load_vector(delta, batch, head_q, q0_u, &mut delta_tile, block_q, config.block_rows);
+            sync_cube();
+
+            let needs_mask = !mask.is_block_visible(
+                q0,
+                q0 + i32::cast_from(block_q),
+                i32::cast_from(k_begin),
+                i32::cast_from(k_end),
+            );
+            for i in 0..block_q {
+                if !needs_mask || mask.is_visible(q0 + i32::cast_from(i), key_i) {
+                    let mut dot = 0.0f32;
+                    #[unroll(config.unroll)]
+                    for c in 0..dim_qk {
+                        dot += q_tile[i * dim_qk + c] * k_row[c];
+                    }
+                    let s = score(dot, scale, softcap, config.softcap);
+                    let p = (s - lse_tile[i]).exp();
+                    let mut dp = 0.0f32;
+                    #[unroll(config.unroll)]
+                    for c in 0..dim_v {
+                        let g_o = do_tile[i * dim_v + c];
+                        dv_acc[c] += p * g_o;
+                        dp += g_o * v_row[c];
+                    }
+                    let ds = p * (dp - delta_tile[i]) * score_grad(s, scale, softcap, config.softcap);
+                    #[unroll(config.unroll)]
+                    for c in 0..dim_qk {
+                        dk_acc[c] += ds * q_tile[i * dim_qk + c];
+                    }
+                }
+            }
+        }
+    }
+
+    if key < seq_kv {
+        let k_base = batch * dk.stride(0) + head_kv * dk.stride(1) + key * dk.stride(2);
+        let k_col = dk.stride(3);
+        #[unroll(config.unroll)]
+        for c in 0..dim_qk {
+            dk[k_base + c * k_col] = F::cast_from(dk_acc[c]);
+        }
+        let v_base = batch * dv.stride(0) + head_kv * dv.stride(1) + key * dv.stride(2);
+        let v_col = dv.stride(3);
+        #[unroll(config.unroll)]
+        for c in 0..dim_v {
+            dv[v_base + c * v_col] = F::cast_from(dv_acc[c]);
+        }
+    }
+}

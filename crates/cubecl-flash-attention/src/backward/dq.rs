@@ -1,0 +1,114 @@
+//! Backward step 3: `dQ`, one cube per (query block, batch·head) and one unit per query
+//! row, looping over the visible key blocks like the forward pass. Each row's `dQ` is
+//! accumulated in f32 registers and written once: no atomics, deterministic.
+//!
+//! Per key `j`: `P = exp(S − LSE)`, `dP = dO·Vⱼ`, `dS = P ⊙ (dP − D)`, `dQ += dS · dS/d(q·k) · Kⱼ`.
+
+use cubecl::prelude::*;
+
+use crate::config::TileConfig;
+use crate::mask::Mask;
+use crate::score::{score, score_grad};
+use crate::tile::{Head, load_rows, read_row};
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_dq<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    d_out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    #[comptime] config: TileConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let block_q = config.block_rows;
+    let block_k = config.block_stream;
+    let dim_qk = config.dim_qk;
+    let dim_v = config.dim_v;
+
+    let seq_q = q.shape(2);
+    let seq_kv = k.shape(2);
+    let head = Head::from_cube(q.shape(1), k.shape(1));
+    let q_begin = CUBE_POS_X as usize * block_q;
+    let q_end = min(q_begin + block_q, seq_q);
+    let row = q_begin + UNIT_POS as usize;
+    let row_c = min(row, seq_q - 1);
+
+    let mut q_row = Array::<f32>::new(dim_qk);
+    read_row(q, head.batch, head.head_q, row_c, &mut q_row, dim_qk, config.unroll);
+    let mut do_row = Array::<f32>::new(dim_v);
+    read_row(d_out, head.batch, head.head_q, row_c, &mut do_row, dim_v, config.unroll);
+    let row_lse = lse[head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row_c * lse.stride(2)];
+    let row_delta =
+        delta[head.batch * delta.stride(0) + head.head_q * delta.stride(1) + row_c * delta.stride(2)];
+    let mut dq_acc = Array::<f32>::new(dim_qk);
+    #[unroll(config.unroll)]
+    for c in 0..dim_qk {
+        dq_acc[c] = 0.0;
+    }
+
+    let mut k_tile = Shared::<[f32]>::new_slice(block_k * dim_qk);
+    let mut v_tile = Shared::<[f32]>::new_slice(block_k * dim_v);
+
+    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+    let mut k_begin = 0i32;
+    let mut k_end = i32::cast_from(seq_kv);
+    if config.masked {
+        k_begin = mask.key_begin(i32::cast_from(q_begin));
+        k_end = mask.key_end(i32::cast_from(q_end));
+    }
+    let num_blocks = (max(k_end - k_begin, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
+    let row_i = i32::cast_from(row);
+
+    for block in 0..num_blocks {
+        let k0 = k_begin + block * i32::cast_from(block_k);
+        sync_cube();
+        load_rows(k, head.batch, head.head_kv, usize::cast_from(k0), &mut k_tile, block_k, dim_qk, config.block_rows);
+        load_rows(v, head.batch, head.head_kv, usize::cast_from(k0), &mut v_tile, block_k, dim_v, config.block_rows);
+        sync_cube();
+
+        let needs_mask = !mask.is_block_visible(
+            i32::cast_from(q_begin),
+            i32::cast_from(q_end),
+            k0,
+            k0 + i32::cast_from(block_k),
+        );
+        for j in 0..block_k {
+            if !needs_mask || mask.is_visible(row_i, k0 + i32::cast_from(j)) {
+                let mut dot = 0.0f32;
+                #[unroll(config.unroll)]
+                for c in 0..dim_qk {
+                    dot += q_row[c] * k_tile[j * dim_qk + c];
+                }
+                let s = score(dot, scale, softcap, config.softcap);
+                let p = (s - row_lse).exp();
+                let mut dp = 0.0f32;
+                #[unroll(config.unroll)]
+                for c in 0..dim_v {
+                    dp += do_row[c] * v_tile[j * dim_v + c];
+                }
+                let ds = p * (dp - row_delta) * score_grad(s, scale, softcap, config.softcap);
+                #[unroll(config.unroll)]
+                for c in 0..dim_qk {
+                    dq_acc[c] += ds * k_tile[j * dim_qk + c];
+                }
+            }
+        }
+    }
+
+    if row < seq_q {
+        let base = head.batch * dq.stride(0) + head.head_q * dq.stride(1) + row * dq.stride(2);
+        let col = dq.stride(3);
+        #[unroll(config.unroll)]
+        for c in 0..dim_qk {
+            dq[base + c * col] = F::cast_from(dq_acc[c]);
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! The backward pass: `dQ`, `dK`, `dV` from `dO`, recomputing the scores from Q, K and the
+//! forward's LSE instead of storing them. Three launches:
+//! 1. [`flash_backward_delta`]: `D = rowsum(dO ⊙ O)`;
+//! 2. [`flash_backward_dkdv`]: `dK`, `dV` per key block (GQA groups summed in the cube);
+//! 3. [`flash_backward_dq`]: `dQ` per query block.
+//!
+//! Extra device memory: `D`, `[b, h_q, s_q]` f32. No `s × s` buffer, no atomics: the
+//! result is bitwise identical from run to run.
+
+mod dkdv;
+mod dq;
+mod preprocess;
+
+use cubecl::prelude::*;
+
+use crate::config::{DeviceLimits, KernelPath, choose_path, choose_portable_tiles};
+use crate::error::FlashError;
+use crate::launch::{DeviceTensor, check_dtype, expect_shape, grid, softcap_arg, window_args};
+use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
+
+pub use dkdv::flash_backward_dkdv;
+pub use dq::flash_backward_dq;
+pub use preprocess::flash_backward_delta;
+
+/// Gradients of Q, K and V, contiguous, in the input dtype.
+#[derive(Clone, Debug)]
+pub struct Gradients {
+    pub dq: DeviceTensor,
+    pub dk: DeviceTensor,
+    pub dv: DeviceTensor,
+}
+
+/// The forward's tensors the backward reads: `out` and `lse` as [`crate::forward::forward`]
+/// returned them.
+#[derive(Clone, Copy)]
+pub struct Saved<'a> {
+    pub q: &'a DeviceTensor,
+    pub k: &'a DeviceTensor,
+    pub v: &'a DeviceTensor,
+    pub out: &'a DeviceTensor,
+    pub lse: &'a DeviceTensor,
+}
+
+/// Runs the backward pass for the upstream gradient `d_out` (shape of `out`).
+pub fn backward(
+    client: &Client,
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<Gradients, FlashError> {
+    let problem = AttentionProblem::new(&saved.q.shape, &saved.k.shape, &saved.v.shape, dtype, options)?;
+    if problem.is_empty() || problem.seq_kv == 0 {
+        // Nothing attends: every gradient is zero.
+        return zero_gradients(client, &problem, dtype);
+    }
+    let grads = Gradients {
+        dq: DeviceTensor::empty(client, &saved.q.shape, dtype.size()),
+        dk: DeviceTensor::empty(client, &saved.k.shape, dtype.size()),
+        dv: DeviceTensor::empty(client, &saved.v.shape, dtype.size()),
+    };
+    backward_into(client, saved, d_out, &grads, dtype, options, path)?;
+    Ok(grads)
+}
+
+/// [`backward`] into caller-provided gradients (shapes of Q, K, V; any strides). Needs
+/// non-empty query and key sequences ([`backward`] handles the empty cases).
+pub fn backward_into(
+    client: &Client,
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    grads: &Gradients,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<(), FlashError> {
+    let Saved { q, k, v, out, lse } = saved;
+    let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
+    expect_shape("out", out, &problem.out_shape())?;
+    expect_shape("d_out", d_out, &problem.out_shape())?;
+    expect_shape("lse", lse, &problem.lse_shape())?;
+    expect_shape("dq", &grads.dq, &q.shape)?;
+    expect_shape("dk", &grads.dk, &k.shape)?;
+    expect_shape("dv", &grads.dv, &v.shape)?;
+    check_dtype(client, dtype)?;
+    if problem.is_empty() || problem.seq_kv == 0 {
+        return Err(FlashError::Shape {
+            arg: "key",
+            shape: k.shape.clone(),
+            expected: "backward_into needs non-empty query and key sequences".into(),
+        });
+    }
+
+    match choose_path(path, dtype)? {
+        KernelPath::Auto | KernelPath::Portable => {
+            let limits = DeviceLimits::from_properties(client.properties());
+            let (left, right) = window_args(&problem);
+            let (scale, softcap) = (problem.scale(), softcap_arg(&problem));
+            let elem = dtype.elem_type();
+
+            let delta = DeviceTensor::empty(client, &problem.lse_shape(), 4);
+            let rows = problem.batch * problem.heads_q * problem.seq_q;
+            let cube = 256u32.min(limits.max_units_per_cube as u32);
+            unsafe {
+                flash_backward_delta::launch_unchecked(
+                    client,
+                    CubeCount::Static(rows.div_ceil(cube as usize) as u32, 1, 1),
+                    CubeDim::new_1d(cube),
+                    out.arg(),
+                    d_out.arg(),
+                    delta.arg(),
+                    problem.dim_v,
+                    elem,
+                );
+            }
+
+            // dK/dV: key rows in registers; Q, dO, LSE and D rows staged (f32).
+            let row_bytes = 4 * (problem.dim_qk + problem.dim_v + 2);
+            let config = choose_portable_tiles(&problem, &limits, row_bytes)?;
+            let (count, dim) = grid(&config, problem.seq_kv, problem.batch, problem.heads_kv);
+            unsafe {
+                flash_backward_dkdv::launch_unchecked(
+                    client,
+                    count,
+                    dim,
+                    q.arg(),
+                    k.arg(),
+                    v.arg(),
+                    d_out.arg(),
+                    lse.arg(),
+                    delta.arg(),
+                    grads.dk.arg(),
+                    grads.dv.arg(),
+                    scale,
+                    softcap,
+                    left,
+                    right,
+                    config,
+                    elem,
+                );
+            }
+
+            // dQ: query rows in registers; K and V rows staged (f32).
+            let row_bytes = 4 * (problem.dim_qk + problem.dim_v);
+            let config = choose_portable_tiles(&problem, &limits, row_bytes)?;
+            let (count, dim) = grid(&config, problem.seq_q, problem.batch, problem.heads_q);
+            unsafe {
+                flash_backward_dq::launch_unchecked(
+                    client,
+                    count,
+                    dim,
+                    q.arg(),
+                    k.arg(),
+                    v.arg(),
+                    d_out.arg(),
+                    lse.arg(),
+                    delta.arg(),
+                    grads.dq.arg(),
+                    scale,
+                    softcap,
+                    left,
+                    right,
+                    config,
+                    elem,
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Gradients of a problem with no query or no key: all zero.
+fn zero_gradients(
+    client: &Client,
+    problem: &AttentionProblem,
+    dtype: FloatDtype,
+) -> Result<Gradients, FlashError> {
+    let zeros = |shape: [usize; 4]| {
+        let bytes = vec![0u8; shape.iter().product::<usize>() * dtype.size()];
+        DeviceTensor::from_bytes(client, &shape, &bytes)
+    };
+    let p = problem;
+    Ok(Gradients {
+        dq: zeros([p.batch, p.heads_q, p.seq_q, p.dim_qk]),
+        dk: zeros([p.batch, p.heads_kv, p.seq_kv, p.dim_qk]),
+        dv: zeros([p.batch, p.heads_kv, p.seq_kv, p.dim_v]),
+    })
+}

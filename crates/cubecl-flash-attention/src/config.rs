@@ -1,0 +1,148 @@
+//! Compile-time shape of a kernel variant, and the one pure function that picks it.
+
+use crate::error::FlashError;
+use crate::problem::{AttentionProblem, FloatDtype};
+
+/// Which implementation of the kernels runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KernelPath {
+    /// Choose the fastest path the device supports.
+    #[default]
+    Auto,
+    /// Register and shared-memory tiles, one query (or key) row per unit. Needs no
+    /// tensor cores and no plane operations: runs on every CubeCL runtime, lavapipe included.
+    Portable,
+}
+
+/// What the tile heuristic needs to know about a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// Shared memory one cube may use, in bytes.
+    pub max_shared_memory: usize,
+    /// Units one cube may hold.
+    pub max_units_per_cube: usize,
+    /// Units of a plane (warp/wavefront): 32 on NVIDIA, 64 on AMD CDNA, varies on CPUs.
+    pub plane_size: usize,
+}
+
+impl DeviceLimits {
+    pub fn from_properties(props: &cubecl::prelude::DeviceProperties) -> Self {
+        let hw = &props.hardware;
+        Self {
+            max_shared_memory: hw.max_shared_memory_size,
+            max_units_per_cube: hw.max_units_per_cube as usize,
+            plane_size: hw.plane_size_max as usize,
+        }
+    }
+}
+
+/// The compile-time configuration of one portable kernel variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TileConfig {
+    /// Rows of the cube's own operand (query rows in the forward and dQ kernels, key rows
+    /// in the dK/dV kernel): one unit each.
+    pub block_rows: usize,
+    /// Rows of the streamed operand staged in shared memory per step.
+    pub block_stream: usize,
+    pub dim_qk: usize,
+    pub dim_v: usize,
+    /// Causal or sliding-window masking compiled in.
+    pub masked: bool,
+    /// Softcap compiled in.
+    pub softcap: bool,
+    /// Unroll the loops over the head dims, so that the per-row arrays stay in registers.
+    pub unroll: bool,
+}
+
+/// Largest head dim whose loops are unrolled (larger rows would not fit in registers anyway).
+const MAX_UNROLLED_DIM: usize = 128;
+
+/// Rows of the cube's own operand: one unit each, a whole number of planes where possible.
+const ROWS_PER_CUBE: usize = 64;
+/// Most rows staged at once.
+const MAX_STREAM_ROWS: usize = 64;
+
+/// Picks the portable tiles: `stream_row_bytes` is what one staged row costs in shared
+/// memory (all staged operands together), `fixed_bytes` what the cube stages besides.
+pub fn choose_portable_tiles(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+    stream_row_bytes: usize,
+) -> Result<TileConfig, FlashError> {
+    let block_rows = ROWS_PER_CUBE.min(limits.max_units_per_cube).max(1);
+    let budget = limits.max_shared_memory;
+    let fit = budget / stream_row_bytes.max(1);
+    if fit == 0 {
+        return Err(FlashError::InvalidConfig(format!(
+            "head dims {}/{} need {stream_row_bytes} bytes of shared memory per staged row; the device offers {budget}",
+            problem.dim_qk, problem.dim_v
+        )));
+    }
+    // Largest power of two that fits, at most MAX_STREAM_ROWS.
+    let block_stream = 1usize << (usize::BITS - 1 - fit.min(MAX_STREAM_ROWS).leading_zeros());
+    Ok(TileConfig {
+        block_rows,
+        block_stream,
+        dim_qk: problem.dim_qk,
+        dim_v: problem.dim_v,
+        masked: problem.options.mask.is_masked(),
+        softcap: problem.options.softcap.is_some(),
+        unroll: problem.dim_qk.max(problem.dim_v) <= MAX_UNROLLED_DIM,
+    })
+}
+
+/// Resolves `Auto` to the path the device and problem allow.
+pub fn choose_path(requested: KernelPath, _dtype: FloatDtype) -> Result<KernelPath, FlashError> {
+    match requested {
+        KernelPath::Auto | KernelPath::Portable => Ok(KernelPath::Portable),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::tests::problem;
+
+    const NVIDIA: DeviceLimits = DeviceLimits {
+        max_shared_memory: 232_448,
+        max_units_per_cube: 1024,
+        plane_size: 32,
+    };
+    const AMD: DeviceLimits = DeviceLimits {
+        max_shared_memory: 65_536,
+        max_units_per_cube: 1024,
+        plane_size: 64,
+    };
+    const WEBGPU: DeviceLimits = DeviceLimits {
+        max_shared_memory: 16_384,
+        max_units_per_cube: 256,
+        plane_size: 1,
+    };
+
+    #[test]
+    fn tiles_fit_shared_memory_on_every_device() {
+        for limits in [NVIDIA, AMD, WEBGPU] {
+            for d in [40, 64, 96, 111, 128, 256] {
+                let p = problem(d, d);
+                let row_bytes = 4 * (p.dim_qk + p.dim_v);
+                let t = choose_portable_tiles(&p, &limits, row_bytes).unwrap();
+                assert!(t.block_stream.is_power_of_two());
+                assert!(t.block_stream * row_bytes <= limits.max_shared_memory, "{limits:?} d={d}");
+                assert!(t.block_rows <= limits.max_units_per_cube);
+            }
+        }
+    }
+
+    #[test]
+    fn too_little_shared_memory_is_an_error() {
+        let tiny = DeviceLimits {
+            max_shared_memory: 1000,
+            ..WEBGPU
+        };
+        let p = problem(256, 256);
+        assert!(matches!(
+            choose_portable_tiles(&p, &tiny, 4 * 512),
+            Err(FlashError::InvalidConfig(_))
+        ));
+    }
+}

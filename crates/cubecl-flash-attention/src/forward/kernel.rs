@@ -1,0 +1,130 @@
+//! The FlashAttention-2 forward main loop, portable path.
+//!
+//! One cube per (query block, batch·head), one unit per query row. The row's query and
+//! its output accumulator live in registers; key/value blocks are staged in shared memory
+//! by the whole cube; the online softmax keeps the row's running max and sum. Key blocks
+//! that the mask hides entirely are never visited, and mask arithmetic runs only in the
+//! blocks that straddle a mask boundary.
+
+use cubecl::prelude::*;
+
+use crate::config::TileConfig;
+use crate::mask::Mask;
+use crate::score::score;
+use crate::softmax::{MASKED, RunningState, probability};
+use crate::tile::{Head, load_rows, read_row};
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    neg_inf: f32,
+    #[comptime] config: TileConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let block_q = config.block_rows;
+    let block_k = config.block_stream;
+    let dim_qk = config.dim_qk;
+    let dim_v = config.dim_v;
+
+    let seq_q = q.shape(2);
+    let seq_kv = k.shape(2);
+    let head = Head::from_cube(q.shape(1), k.shape(1));
+    let q_begin = CUBE_POS_X as usize * block_q;
+    let q_end = min(q_begin + block_q, seq_q);
+    let row = q_begin + UNIT_POS as usize;
+    let row_valid = row < seq_q;
+
+    let mut q_row = Array::<f32>::new(dim_qk);
+    read_row(q, head.batch, head.head_q, min(row, seq_q - 1), &mut q_row, dim_qk, config.unroll);
+    let mut acc = Array::<f32>::new(dim_v);
+    #[unroll(config.unroll)]
+    for c in 0..dim_v {
+        acc[c] = 0.0;
+    }
+    let mut scores = Array::<f32>::new(block_k);
+    let mut state = RunningState::init();
+
+    let mut k_tile = Shared::<[f32]>::new_slice(block_k * dim_qk);
+    let mut v_tile = Shared::<[f32]>::new_slice(block_k * dim_v);
+
+    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+    let mut k_begin = 0i32;
+    let mut k_end = i32::cast_from(seq_kv);
+    if config.masked {
+        k_begin = mask.key_begin(i32::cast_from(q_begin));
+        k_end = mask.key_end(i32::cast_from(q_end));
+    }
+    let num_blocks = (max(k_end - k_begin, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
+    let row_i = i32::cast_from(row);
+
+    for block in 0..num_blocks {
+        let k0 = k_begin + block * i32::cast_from(block_k);
+        let k0_u = usize::cast_from(k0);
+
+        sync_cube();
+        load_rows(k, head.batch, head.head_kv, k0_u, &mut k_tile, block_k, dim_qk, config.block_rows);
+        load_rows(v, head.batch, head.head_kv, k0_u, &mut v_tile, block_k, dim_v, config.block_rows);
+        sync_cube();
+
+        // S = Q·Kᵀ · scale (softcapped), masked only in boundary blocks.
+        let needs_mask = !mask.is_block_visible(
+            i32::cast_from(q_begin),
+            i32::cast_from(q_end),
+            k0,
+            k0 + i32::cast_from(block_k),
+        );
+        let mut block_max = f32::new(MASKED);
+        for j in 0..block_k {
+            let mut dot = 0.0f32;
+            #[unroll(config.unroll)]
+            for c in 0..dim_qk {
+                dot += q_row[c] * k_tile[j * dim_qk + c];
+            }
+            let mut s = score(dot, scale, softcap, config.softcap);
+            if needs_mask && !mask.is_visible(row_i, k0 + i32::cast_from(j)) {
+                s = f32::new(MASKED);
+            }
+            scores[j] = s;
+            block_max = max(block_max, s);
+        }
+
+        // Online softmax: rescale what was accumulated, then add P·V.
+        let alpha = state.rescale(block_max);
+        #[unroll(config.unroll)]
+        for c in 0..dim_v {
+            acc[c] *= alpha;
+        }
+        let mut block_sum = 0.0f32;
+        for j in 0..block_k {
+            let p = probability(scores[j], state.m);
+            block_sum += p;
+            #[unroll(config.unroll)]
+            for c in 0..dim_v {
+                acc[c] += p * v_tile[j * dim_v + c];
+            }
+        }
+        state.l += block_sum;
+    }
+
+    // Epilogue: normalize, write O in the input dtype and the LSE in f32.
+    if row_valid {
+        let inv = state.normalizer();
+        let base = head.batch * out.stride(0) + head.head_q * out.stride(1) + row * out.stride(2);
+        let col = out.stride(3);
+        #[unroll(config.unroll)]
+        for c in 0..dim_v {
+            out[base + c * col] = F::cast_from(acc[c] * inv);
+        }
+        let lse_index = head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row * lse.stride(2);
+        lse[lse_index] = state.lse(neg_inf);
+    }
+}

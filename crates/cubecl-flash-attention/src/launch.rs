@@ -1,0 +1,106 @@
+//! Host side shared by the launchers: checking a problem against a device, building the
+//! kernel arguments, and allocating contiguous outputs.
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+use crate::config::TileConfig;
+use crate::error::FlashError;
+use crate::problem::{AttentionProblem, FloatDtype};
+
+/// A device tensor: a buffer with its shape and strides (in elements).
+#[derive(Clone, Debug)]
+pub struct DeviceTensor {
+    pub handle: Handle,
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+}
+
+impl DeviceTensor {
+    /// A new contiguous (row-major) tensor, uninitialized.
+    pub fn empty(client: &Client, shape: &[usize], elem_size: usize) -> Self {
+        let count: usize = shape.iter().product();
+        let handle = client.empty((count * elem_size).max(elem_size));
+        Self {
+            handle,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        }
+    }
+
+    /// Uploads host data as a contiguous tensor.
+    pub fn from_bytes(client: &Client, shape: &[usize], bytes: &[u8]) -> Self {
+        Self {
+            handle: client.create_from_slice(bytes),
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        }
+    }
+
+    pub(crate) fn arg(&self) -> TensorArg {
+        unsafe {
+            TensorArg::from_raw_parts(
+                self.handle.clone(),
+                self.strides.clone().into(),
+                self.shape.clone().into(),
+            )
+        }
+    }
+}
+
+pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+/// Fails with a clear message when the device cannot compute in `dtype`.
+pub(crate) fn check_dtype(client: &Client, dtype: FloatDtype) -> Result<(), FlashError> {
+    let elem = dtype.elem_type();
+    if client.properties().supports_type(elem) {
+        Ok(())
+    } else {
+        Err(FlashError::Dtype {
+            arg: "query",
+            got: format!("{dtype:?}"),
+            expected: "a float type this device supports (f32 everywhere; f16/bf16 where the runtime has them)"
+                .into(),
+        })
+    }
+}
+
+pub(crate) fn expect_shape(arg: &'static str, t: &DeviceTensor, shape: &[usize]) -> Result<(), FlashError> {
+    if t.shape == shape {
+        Ok(())
+    } else {
+        Err(FlashError::Shape {
+            arg,
+            shape: t.shape.clone(),
+            expected: format!("expected {shape:?}"),
+        })
+    }
+}
+
+/// Window arguments of the mask in kernel form.
+pub(crate) fn window_args(problem: &AttentionProblem) -> (i32, i32) {
+    problem
+        .options
+        .mask
+        .kernel_window(problem.seq_q, problem.seq_kv)
+}
+
+/// The softcap argument (ignored by kernels compiled without softcap).
+pub(crate) fn softcap_arg(problem: &AttentionProblem) -> f32 {
+    problem.options.softcap.unwrap_or(1.0)
+}
+
+/// One cube per block of `rows` rows of `seq`, per batch·head (`heads`).
+pub(crate) fn grid(config: &TileConfig, seq: usize, batch: usize, heads: usize) -> (CubeCount, CubeDim) {
+    let blocks = seq.div_ceil(config.block_rows) as u32;
+    (
+        CubeCount::Static(blocks, (batch * heads) as u32, 1),
+        CubeDim::new_1d(config.block_rows as u32),
+    )
+}

@@ -1,0 +1,41 @@
+//! FlashAttention forward and backward kernels, written once in CubeCL and compiled for
+//! CUDA, ROCm HIP and WebGPU/Vulkan.
+//!
+//! - [`forward::forward`]: `O` and the LSE of `softmax(Q·Kᵀ·scale)·V`;
+//! - [`backward::backward`]: `dQ`, `dK`, `dV` from `dO`, recomputing the scores;
+//! - [`reference`]: the f64 CPU oracle every kernel is tested against.
+//!
+//! Options: softmax scale, causal and sliding-window masks (bottom-right aligned), softcap,
+//! GQA/MQA, `d_v ≠ d_qk`, any sequence lengths, arbitrary strides, f16/bf16/f32.
+
+pub mod backward;
+pub mod config;
+pub mod error;
+pub mod forward;
+pub mod launch;
+pub mod mask;
+pub mod problem;
+pub mod reference;
+pub mod score;
+pub mod softmax;
+pub mod tile;
+
+pub use config::{DeviceLimits, KernelPath, TileConfig};
+pub use error::FlashError;
+pub use launch::DeviceTensor;
+pub use mask::MaskSpec;
+pub use problem::{AttentionOptions, AttentionProblem, FloatDtype};
+
+// The LLVM symbols of cubecl's unused LLVM code path (see docs/offline-build.md).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+use llvm_link_stubs as _;
+
+/// Runtimes compiled into this build.
+pub mod runtimes {
+    #[cfg(feature = "cuda")]
+    pub use cubecl::cuda;
+    #[cfg(feature = "rocm")]
+    pub use cubecl::hip;
+    #[cfg(feature = "wgpu")]
+    pub use cubecl::wgpu;
+}

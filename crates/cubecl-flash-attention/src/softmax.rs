@@ -1,0 +1,57 @@
+//! The online softmax: a running maximum `m` and sum `l` per query row, updated one key
+//! block at a time, so that the `[s_q, s_kv]` probabilities never exist in memory.
+//!
+//! Masked scores are marked with [`MASKED`], a finite stand-in for −∞ (WGSL has no
+//! infinity literal); their probability is exactly 0. A row that has seen no visible
+//! key keeps `m = MASKED`, `l = 0`.
+
+use cubecl::prelude::*;
+
+/// Score of a hidden key.
+pub const MASKED: f32 = -1.0e30;
+
+/// Softmax state of one query row.
+#[derive(CubeType, Clone, Copy)]
+pub struct RunningState {
+    /// Largest visible score so far (`MASKED` if none).
+    pub m: f32,
+    /// `Σ exp(s − m)` over the visible scores so far.
+    pub l: f32,
+}
+
+#[cube]
+impl RunningState {
+    pub fn init() -> RunningState {
+        RunningState {
+            m: f32::new(MASKED),
+            l: f32::new(0.0),
+        }
+    }
+
+    /// Takes in a block whose largest score is `block_max`. Returns the factor by which
+    /// the output accumulator must be rescaled; the caller then adds `Σ p·V` and the
+    /// block's `Σ p` (see [`probability`]).
+    pub fn rescale(&mut self, block_max: f32) -> f32 {
+        let m_new = max(self.m, block_max);
+        let alpha = (self.m - m_new).exp();
+        self.m = m_new;
+        self.l *= alpha;
+        alpha
+    }
+
+    /// Natural-log sum of exponentials of the row, `neg_inf` when no key was visible.
+    pub fn lse(&self, neg_inf: f32) -> f32 {
+        select(self.l > 0.0, self.m + self.l.ln(), neg_inf)
+    }
+
+    /// `1 / l`, or 0 for a row with no visible key (its output is then 0).
+    pub fn normalizer(&self) -> f32 {
+        select(self.l > 0.0, 1.0 / self.l, 0.0)
+    }
+}
+
+/// `exp(s − m)` for a visible score, 0 for a masked one.
+#[cube]
+pub fn probability(score: f32, m: f32) -> f32 {
+    select(score == f32::new(MASKED), f32::new(0.0), (score - m).exp())
+}

@@ -1,0 +1,106 @@
+//! Index arithmetic shared by the kernels: which head a cube works on, reading one row of a
+//! strided `[batch, heads, seq, dim]` tensor into registers, and staging rows in shared memory.
+
+use cubecl::prelude::*;
+
+/// The (batch, query head, key/value head) of the cube; `CUBE_POS_Y` enumerates batch·heads.
+#[derive(CubeType, Clone, Copy)]
+pub struct Head {
+    pub batch: usize,
+    pub head_q: usize,
+    pub head_kv: usize,
+}
+
+#[cube]
+impl Head {
+    /// For kernels with one cube per query head.
+    pub fn from_cube(heads_q: usize, heads_kv: usize) -> Head {
+        let y = CUBE_POS_Y as usize;
+        let head_q = y % heads_q;
+        Head {
+            batch: y / heads_q,
+            head_q,
+            head_kv: head_q / (heads_q / heads_kv),
+        }
+    }
+}
+
+/// Element offset of `(batch, head, row, 0)`.
+#[cube]
+pub fn row_offset<F: Numeric>(t: &Tensor<F>, batch: usize, head: usize, row: usize) -> usize {
+    batch * t.stride(0) + head * t.stride(1) + row * t.stride(2)
+}
+
+/// Reads row `row` of head `head` into f32 registers.
+#[cube]
+pub fn read_row<F: Float>(
+    t: &Tensor<F>,
+    batch: usize,
+    head: usize,
+    row: usize,
+    dest: &mut Array<f32>,
+    #[comptime] dim: usize,
+    #[comptime] unroll: bool,
+) {
+    let base = row_offset(t, batch, head, row);
+    let stride = t.stride(3);
+    #[unroll(unroll)]
+    for c in 0..dim {
+        dest[c] = f32::cast_from(t[base + c * stride]);
+    }
+}
+
+/// Stages rows `[first, first + rows)` of head `head` in shared memory as f32, `dim` values
+/// per row, the cube's `units` units cooperating; rows past the end of the sequence read as 0.
+#[cube]
+pub fn load_rows<F: Float>(
+    t: &Tensor<F>,
+    batch: usize,
+    head: usize,
+    first: usize,
+    tile: &mut Shared<[f32]>,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] units: usize,
+) {
+    let seq = t.shape(2);
+    let base = batch * t.stride(0) + head * t.stride(1);
+    let (row_stride, col_stride) = (t.stride(2), t.stride(3));
+    for step in 0..(rows * dim).div_ceil(units) {
+        let idx = step * units + UNIT_POS as usize;
+        if idx < rows * dim {
+            let r = idx / dim;
+            let c = idx % dim;
+            let mut value = 0.0f32;
+            if first + r < seq {
+                value = f32::cast_from(t[base + (first + r) * row_stride + c * col_stride]);
+            }
+            tile[idx] = value;
+        }
+    }
+}
+
+/// Stages `rows` values of a `[batch, heads, seq]` f32 vector (LSE, D) in shared memory.
+#[cube]
+pub fn load_vector(
+    t: &Tensor<f32>,
+    batch: usize,
+    head: usize,
+    first: usize,
+    tile: &mut Shared<[f32]>,
+    #[comptime] rows: usize,
+    #[comptime] units: usize,
+) {
+    let seq = t.shape(2);
+    let base = batch * t.stride(0) + head * t.stride(1);
+    for step in 0..rows.div_ceil(units) {
+        let r = step * units + UNIT_POS as usize;
+        if r < rows {
+            let mut value = 0.0f32;
+            if first + r < seq {
+                value = t[base + (first + r) * t.stride(2)];
+            }
+            tile[r] = value;
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! Fused-op benchmark: our kernels against Burn's `module::attention` and materialized
+//! attention, in one process, forward and forward+backward, over a grid of problems.
+//! FLOPs as FlashAttention's benchmark: forward 4·b·h·s²·d (halved when causal), backward
+//! 2.5× forward. Median time over repeated runs after a warm-up, device synced around each.
+//!
+//!     cargo run --release --features cuda --example bench -- --device cuda --json out.json
+
+use std::time::Instant;
+
+use burn::tensor::module::{attention, attention_fallback};
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Device, Distribution, FloatDType, Tensor};
+use burn_flash_attention::{FlashAttentionOptions, flash_attention};
+use clap::Parser;
+use serde::Serialize;
+
+#[derive(Parser, Debug)]
+#[command(about = "Flash-attention benchmark: ours vs Burn vs materialized")]
+struct Args {
+    /// Device: cuda, rocm, wgpu, wgpu-cpu.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Sequence lengths (batch = tokens / s).
+    #[arg(long, value_delimiter = ',', default_values_t = [512usize, 1024, 2048, 4096])]
+    seqs: Vec<usize>,
+    /// Head dims (heads = 2048 / d: 16 at d=128, 32 at d=64).
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 128])]
+    dims: Vec<usize>,
+    /// Causal settings to run.
+    #[arg(long, value_delimiter = ',', default_values_t = [false, true])]
+    causal: Vec<bool>,
+    /// Dtypes: bf16, f16, f32.
+    #[arg(long, value_delimiter = ',', default_values = ["bf16"])]
+    dtypes: Vec<String>,
+    /// Implementations: ours, burn, materialized.
+    #[arg(long, value_delimiter = ',', default_values = ["ours", "burn", "materialized"])]
+    impls: Vec<String>,
+    /// Passes: fwd, fwd_bwd.
+    #[arg(long, value_delimiter = ',', default_values = ["fwd", "fwd_bwd"])]
+    passes: Vec<String>,
+    /// Tokens per problem (b·s).
+    #[arg(long, default_value_t = 16384)]
+    tokens: usize,
+    /// Query heads per key/value head (GQA); 1 is plain multi-head attention.
+    #[arg(long, default_value_t = 1)]
+    gqa: usize,
+    /// Measure each point for about this long (at least 3 runs, at most 50).
+    #[arg(long, default_value_t = 0.5)]
+    seconds: f64,
+    /// Skip materialized attention above this sequence length (its memory grows with s²).
+    #[arg(long, default_value_t = 4096)]
+    materialized_max_seq: usize,
+    /// Write the records as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Record {
+    #[serde(rename = "impl")]
+    implementation: String,
+    pass: String,
+    dtype: String,
+    b: usize,
+    h: usize,
+    h_kv: usize,
+    s_q: usize,
+    s_kv: usize,
+    d: usize,
+    causal: bool,
+    ms: f64,
+    tflops: f64,
+    peak_extra_mib: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct Header {
+    header: bool,
+    card: String,
+    date: String,
+    commit: String,
+    device: String,
+}
+
+fn device(name: &str) -> (Device, Option<cubecl::client::Client>) {
+    match name {
+        #[cfg(feature = "cuda")]
+        "cuda" => (
+            Device::cuda(0),
+            Some(cubecl::Device::Cuda(cubecl::cuda::CudaDevice { index: 0 }).client()),
+        ),
+        #[cfg(feature = "rocm")]
+        "rocm" => (
+            Device::rocm(0),
+            Some(cubecl::Device::Hip(cubecl::hip::AmdDevice { index: 0 }).client()),
+        ),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => (Device::wgpu(burn::tensor::DeviceKind::DefaultDevice), None),
+        #[cfg(feature = "wgpu")]
+        "wgpu-cpu" => (Device::wgpu(burn::tensor::DeviceKind::Cpu), None),
+        other => panic!("--device {other}: not compiled in (features: cuda, rocm, wgpu)"),
+    }
+}
+
+fn dtype(name: &str) -> FloatDType {
+    match name {
+        "bf16" => FloatDType::BF16,
+        "f16" => FloatDType::F16,
+        "f32" => FloatDType::F32,
+        other => panic!("--dtypes {other}: expected bf16, f16 or f32"),
+    }
+}
+
+fn bytes_in_use(client: &Option<cubecl::client::Client>) -> Option<u64> {
+    client.as_ref().map(|c| {
+        c.memory_report(cubecl::MemoryScope::Device)
+            .usage()
+            .bytes_in_use
+    })
+}
+
+/// Median seconds of `f` (warmed up, device synced), and the memory it left in use.
+fn measure(dev: &Device, seconds: f64, mut f: impl FnMut() -> Vec<Tensor<4>>) -> f64 {
+    drop(f());
+    dev.sync().unwrap();
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < 3 || (start.elapsed().as_secs_f64() < seconds && times.len() < 50) {
+        let t = Instant::now();
+        let out = f();
+        dev.sync().unwrap();
+        times.push(t.elapsed().as_secs_f64());
+        drop(out);
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn main() {
+    let args = Args::parse();
+    let (dev, client) = device(&args.device);
+    let mut records: Vec<serde_json::Value> = Vec::new();
+    let card = client
+        .as_ref()
+        .map(|c| c.name().to_string())
+        .unwrap_or_else(|| args.device.clone());
+    records.push(
+        serde_json::to_value(Header {
+            header: true,
+            card: card.clone(),
+            date: std::env::var("BENCH_DATE").unwrap_or_default(),
+            commit: std::env::var("BENCH_COMMIT").unwrap_or_default(),
+            device: args.device.clone(),
+        })
+        .unwrap(),
+    );
+    println!("card: {card}");
+    let points: Vec<_> = args
+        .dtypes
+        .iter()
+        .flat_map(|t| args.dims.iter().map(move |&d| (t.clone(), d)))
+        .flat_map(|(t, d)| args.seqs.iter().map(move |&s| (t.clone(), d, s)))
+        .flat_map(|(t, d, s)| args.causal.iter().map(move |&c| (t.clone(), d, s, c)))
+        .collect();
+    let total = points.len();
+    for (n, (dt, d, s, causal)) in points.into_iter().enumerate() {
+        let b = (args.tokens / s).max(1);
+        let h = 2048 / d;
+        let h_kv = h / args.gqa;
+        let dtype_ = dtype(&dt);
+        let make = |heads: usize| {
+            Tensor::<4>::random([b, heads, s, d], Distribution::Normal(0.0, 1.0), &dev).cast(dtype_)
+        };
+        let (q, k, v) = (make(h), make(h_kv), make(h_kv));
+        let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+        for imp in &args.impls {
+            if imp != "ours" && h_kv != h {
+                continue; // Burn's attention has no GQA
+            }
+            if imp == "materialized" && s > args.materialized_max_seq {
+                continue;
+            }
+            for pass in &args.passes {
+                let opts = FlashAttentionOptions::default().with_causal(causal);
+                let burn_opts = AttentionModuleOptions {
+                    scale: None,
+                    softcap: None,
+                    is_causal: causal,
+                };
+                let forward = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>| match imp.as_str() {
+                    "ours" => flash_attention(q, k, v, opts),
+                    "burn" => attention(q, k, v, None, None, burn_opts),
+                    _ => attention_fallback(q, k, v, None, None, burn_opts),
+                };
+                let before = bytes_in_use(&client);
+                let (time, extra) = if pass == "fwd" {
+                    let mut peak = None;
+                    let t = measure(&dev, args.seconds, || {
+                        let o = forward(q.clone(), k.clone(), v.clone());
+                        dev.sync().unwrap();
+                        peak = bytes_in_use(&client);
+                        vec![o]
+                    });
+                    (t, peak)
+                } else {
+                    let ad = dev.clone().autodiff();
+                    let (qa, ka, va) = (
+                        q.clone().autodiff().require_grad(),
+                        k.clone().autodiff().require_grad(),
+                        v.clone().autodiff().require_grad(),
+                    );
+                    let _ = ad;
+                    let mut peak = None;
+                    let t = measure(&dev, args.seconds, || {
+                        let o = forward(qa.clone(), ka.clone(), va.clone());
+                        let grads = o.sum().backward();
+                        let g = [qa.grad(&grads).unwrap(), ka.grad(&grads).unwrap(), va.grad(&grads).unwrap()];
+                        dev.sync().unwrap();
+                        peak = bytes_in_use(&client);
+                        g.into()
+                    });
+                    (t, peak)
+                };
+                let extra_mib = match (before, extra) {
+                    (Some(a), Some(b)) => Some((b as f64 - a as f64) / (1 << 20) as f64),
+                    _ => None,
+                };
+                let fl = if pass == "fwd" { flops } else { 3.5 * flops };
+                let rec = Record {
+                    implementation: imp.clone(),
+                    pass: pass.clone(),
+                    dtype: dt.clone(),
+                    b,
+                    h,
+                    h_kv,
+                    s_q: s,
+                    s_kv: s,
+                    d,
+                    causal,
+                    ms: time * 1e3,
+                    tflops: fl / time / 1e12,
+                    peak_extra_mib: extra_mib,
+                };
+                println!(
+                    "[{}/{total}] {dt} b{b} h{h}/{h_kv} s{s} d{d} causal={causal} {imp:>12} {pass:>7}: {:9.3} ms {:7.1} TFLOP/s  extra {}",
+                    n + 1,
+                    rec.ms,
+                    rec.tflops,
+                    rec.peak_extra_mib.map_or("-".into(), |m| format!("{m:.0} MiB"))
+                );
+                records.push(serde_json::to_value(rec).unwrap());
+            }
+        }
+    }
+    if let Some(path) = args.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&records).unwrap()).unwrap();
+        println!("wrote {}", path.display());
+    }
+}

@@ -1,0 +1,110 @@
+//! The public tensor API: validation, then the fused op on Cube devices or the composed
+//! fallback everywhere else.
+
+use burn::backend::Dispatch;
+use burn::tensor::{DType, Device, Tensor};
+use cubecl_flash_attention::{AttentionProblem, FloatDtype};
+
+use crate::fallback;
+use crate::ops::FlashAttentionOps;
+use crate::options::FlashAttentionOptions;
+
+/// Attention `softmax(q·kᵀ·scale) · v`, fused: no `[s_q, s_kv]` matrix is ever stored,
+/// forward or backward.
+///
+/// - `q` `[batch, heads_q, seq_q, dim_qk]`, `k` `[batch, heads_kv, seq_kv, dim_qk]`,
+///   `v` `[batch, heads_kv, seq_kv, dim_v]` → `[batch, heads_q, seq_q, dim_v]`;
+/// - GQA/MQA: `heads_kv` divides `heads_q`, query head `h` reads key/value head
+///   `h / (heads_q / heads_kv)`; K and V are not repeated in memory;
+/// - `[batch, seq, heads, dim]` tensors passed through `swap_dims(1, 2)` are read in place;
+/// - f32, f16 and bf16 (where the device has them); accumulation is f32.
+///
+/// On CUDA, ROCm and wgpu devices this runs the fused kernels, with a fused backward under
+/// autodiff. On other backends (Flex, NdArray, …) it computes the same function from Burn
+/// tensor ops, so code never branches on the backend.
+///
+/// # Panics
+/// On mismatched shapes, head counts, dtypes or devices, with a message naming the argument.
+pub fn flash_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    options: FlashAttentionOptions,
+) -> Tensor<4> {
+    flash_attention_with_lse(q, k, v, options).0
+}
+
+/// [`flash_attention`], also returning the natural-log log-sum-exp of every query row,
+/// `[batch, heads_q, seq_q]` in f32 (−∞ where a row sees no key). The LSE is not tracked by
+/// autodiff.
+pub fn flash_attention_with_lse(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    options: FlashAttentionOptions,
+) -> (Tensor<4>, Tensor<3>) {
+    validate(&q, &k, &v, &options);
+    if !supports_flash_attention(&q.device()) {
+        return fallback::attention(q, k, v, &options);
+    }
+    let (o, lse) = <Dispatch as FlashAttentionOps>::flash_attention_fwd(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        options,
+    );
+    (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
+}
+
+/// Whether tensors on `device` run the fused kernels (CUDA, ROCm and wgpu devices), rather
+/// than the composed fallback.
+pub fn supports_flash_attention(device: &Device) -> bool {
+    use burn::backend::DispatchDevice;
+    #[allow(unreachable_patterns)]
+    match device.clone().without_autodiff().as_dispatch() {
+        #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+        DispatchDevice::Cube(_) => true,
+        _ => false,
+    }
+}
+
+/// The kernels' dtype for a Burn dtype, if they take it.
+pub(crate) fn kernel_dtype(dtype: DType) -> Option<FloatDtype> {
+    match dtype {
+        DType::F32 => Some(FloatDtype::F32),
+        DType::F16 => Some(FloatDtype::F16),
+        DType::BF16 => Some(FloatDtype::BF16),
+        _ => None,
+    }
+}
+
+/// Panics with a message naming the argument on any mismatch.
+fn validate(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, options: &FlashAttentionOptions) {
+    let dtype = q.dtype();
+    let Some(kernel_dtype) = kernel_dtype(dtype) else {
+        panic!("flash_attention: `q` has dtype {dtype:?}, expected F32, F16 or BF16");
+    };
+    for (arg, t) in [("k", k), ("v", v)] {
+        assert_eq!(
+            t.dtype(),
+            dtype,
+            "flash_attention: `{arg}` has dtype {:?}, expected {dtype:?} (the dtype of `q`)",
+            t.dtype()
+        );
+        assert!(
+            t.device() == q.device(),
+            "flash_attention: `{arg}` is on device {:?}, expected {:?} (the device of `q`)",
+            t.device(),
+            q.device()
+        );
+    }
+    if let Err(e) = AttentionProblem::new(
+        &q.dims(),
+        &k.dims(),
+        &v.dims(),
+        kernel_dtype,
+        options.kernel_options(),
+    ) {
+        panic!("flash_attention: {e}");
+    }
+}

@@ -1,0 +1,35 @@
+//! FlashAttention for Burn: a fused attention op with a fused autodiff backward, written once
+//! in CubeCL and run on CUDA, ROCm and wgpu devices.
+//!
+//! ```no_run
+//! use burn::tensor::{Device, Distribution, Tensor};
+//! use burn_flash_attention::{FlashAttentionOptions, flash_attention};
+//!
+//! let device = Device::default().autodiff();
+//! let q = Tensor::<4>::random([2, 8, 1024, 64], Distribution::Normal(0.0, 1.0), &device).require_grad();
+//! let k = Tensor::<4>::random([2, 2, 1024, 64], Distribution::Normal(0.0, 1.0), &device); // GQA 8/2
+//! let v = Tensor::<4>::random([2, 2, 1024, 64], Distribution::Normal(0.0, 1.0), &device);
+//! let out = flash_attention(q.clone(), k, v, FlashAttentionOptions::default().with_causal(true));
+//! let grads = out.sum().backward();
+//! let dq = q.grad(&grads).unwrap();
+//! ```
+//!
+//! - [`flash_attention`] / [`flash_attention_with_lse`]: the op;
+//! - [`FlashAttentionOptions`]: scale, causal, sliding window, softcap;
+//! - [`FlashMultiHeadAttention`]: a drop-in multi-head attention module;
+//! - [`ops::FlashAttentionOps`]: the backend extension, for backend authors;
+//! - [`kernels`]: the CubeCL kernels themselves (`cubecl-flash-attention`).
+
+mod attention;
+mod backends;
+mod fallback;
+pub mod module;
+pub mod ops;
+mod options;
+
+pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_attention};
+pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
+pub use options::FlashAttentionOptions;
+
+/// The kernel crate, re-exported.
+pub use cubecl_flash_attention as kernels;

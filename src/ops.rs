@@ -1,0 +1,72 @@
+//! The flash-attention backend extension: one fused forward returning `(O, LSE)` and one
+//! fused backward returning `(dQ, dK, dV)`. Implemented for `CubeBackend` (CUDA, ROCm,
+//! wgpu) in `backends/cube.rs` and for `Autodiff` in `backends/autodiff.rs`; the Fusion
+//! implementation is generated.
+
+use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
+
+use crate::options::FlashAttentionOptions;
+
+#[backend_extension(
+    Cube: cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm")),
+    Fusion,
+    Autodiff,
+)]
+pub trait FlashAttentionOps: Backend {
+    /// `q` `[b, h_q, s_q, d_qk]`, `k` `[b, h_kv, s_kv, d_qk]`, `v` `[b, h_kv, s_kv, d_v]` →
+    /// (`o` `[b, h_q, s_q, d_v]` in the dtype of `q`, `lse` `[b, h_q, s_q]` in f32).
+    #[fusion(meta = meta::forward)]
+    fn flash_attention_fwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Gradients of q, k, v for the upstream gradient `d_o` of `o`.
+    #[fusion(meta = meta::backward)]
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_bwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// Output shapes and dtypes, for Burn's lazy Fusion backend.
+mod meta {
+    use burn::backend::fusion::custom::TensorSpec;
+    use burn::tensor::{DType, Shape};
+
+    use crate::options::FlashAttentionOptions;
+
+    pub fn forward(
+        q: &TensorSpec,
+        _k: &TensorSpec,
+        v: &TensorSpec,
+        _options: &FlashAttentionOptions,
+    ) -> (TensorSpec, TensorSpec) {
+        let (b, h, s_q) = (q.shape[0], q.shape[1], q.shape[2]);
+        (
+            TensorSpec::new(Shape::new([b, h, s_q, v.shape[3]]), q.dtype),
+            TensorSpec::new(Shape::new([b, h, s_q]), DType::F32),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        q: &TensorSpec,
+        k: &TensorSpec,
+        v: &TensorSpec,
+        _o: &TensorSpec,
+        _lse: &TensorSpec,
+        _d_o: &TensorSpec,
+        _options: &FlashAttentionOptions,
+    ) -> (TensorSpec, TensorSpec, TensorSpec) {
+        (q.clone(), k.clone(), v.clone())
+    }
+}

@@ -1,0 +1,72 @@
+//! Options of a flash-attention call.
+
+use cubecl_flash_attention::{AttentionOptions, MaskSpec};
+use serde::{Deserialize, Serialize};
+
+/// Options of [`flash_attention`](crate::flash_attention), built with `with_*` methods:
+///
+/// ```
+/// use burn_flash_attention::FlashAttentionOptions;
+/// let options = FlashAttentionOptions::default().with_causal(true).with_softcap(Some(30.0));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct FlashAttentionOptions {
+    /// Softmax scale; `None` is `1/√d_qk`.
+    pub scale: Option<f32>,
+    /// Hide keys after each query's diagonal. Bottom-right aligned: with `s_q ≠ s_kv`, the
+    /// last query sees the last key (as Burn and FlashAttention ≥ 2.1).
+    pub causal: bool,
+    /// Sliding window: keys visible before the diagonal (`None`: unbounded).
+    pub window_left: Option<usize>,
+    /// Sliding window: keys visible after the diagonal (`None`: unbounded; causal makes it 0).
+    pub window_right: Option<usize>,
+    /// `cap · tanh(s / cap)` applied to the scaled scores before masking.
+    pub softcap: Option<f32>,
+    /// Request a backward pass whose gradients are bitwise identical from run to run. The
+    /// current kernels accumulate without atomics and always are; the flag is kept so that
+    /// faster, non-deterministic backward kernels can be opted out of.
+    pub deterministic: bool,
+}
+
+impl FlashAttentionOptions {
+    pub fn with_scale(mut self, scale: Option<f32>) -> Self {
+        self.scale = scale;
+        self
+    }
+    pub fn with_causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+    /// Sliding window `(left, right)` around the diagonal; `None` on a side is unbounded.
+    pub fn with_window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
+        self.window_left = left;
+        self.window_right = right;
+        self
+    }
+    pub fn with_softcap(mut self, softcap: Option<f32>) -> Self {
+        self.softcap = softcap;
+        self
+    }
+    pub fn with_deterministic(mut self, deterministic: bool) -> Self {
+        self.deterministic = deterministic;
+        self
+    }
+
+    /// The mask these options describe.
+    pub fn mask(&self) -> MaskSpec {
+        MaskSpec {
+            causal: self.causal,
+            window_left: self.window_left,
+            window_right: self.window_right,
+        }
+    }
+
+    /// The kernels' form of these options.
+    pub fn kernel_options(&self) -> AttentionOptions {
+        AttentionOptions {
+            scale: self.scale,
+            mask: self.mask(),
+            softcap: self.softcap,
+        }
+    }
+}

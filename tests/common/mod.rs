@@ -1,0 +1,311 @@
+//! Test harness: device selection, seeded inputs, the problem catalogue, host/device
+//! transfers and the tolerance rule.
+
+pub mod naive;
+
+use burn_flash_attention::kernels::{DeviceTensor, FloatDtype, reference::Dims};
+use cubecl::prelude::*;
+use rand::{SeedableRng, rngs::StdRng};
+use rand_distr::{Distribution, StandardNormal};
+
+/// The device the kernel tests run on, from `FLASH_DEVICE`:
+/// `wgpu-cpu` (default; lavapipe, `apt-get install mesa-vulkan-drivers`), `wgpu` (default
+/// wgpu adapter), `cuda` (build with `--features cuda`), `rocm` (`--features rocm`).
+pub fn device_name() -> String {
+    std::env::var("FLASH_DEVICE").unwrap_or_else(|_| "wgpu-cpu".into())
+}
+
+fn missing(what: &str) -> ! {
+    panic!(
+        "FLASH_DEVICE={} needs {what}. Kernel tests never skip: provide the device or pick another \
+         (FLASH_DEVICE=wgpu-cpu with `apt-get install mesa-vulkan-drivers` runs on any CPU).",
+        device_name()
+    )
+}
+
+/// The CubeCL device selected by `FLASH_DEVICE`.
+pub fn cube_device() -> cubecl::Device {
+    match device_name().as_str() {
+        #[cfg(feature = "wgpu")]
+        "wgpu-cpu" => {
+            use cubecl::wgpu::{WgpuDevice, WgpuDeviceKind};
+            ensure_runtime_dir();
+            cubecl::Device::Wgpu(WgpuDevice::new(WgpuDeviceKind::Cpu))
+        }
+        #[cfg(feature = "wgpu")]
+        "wgpu" => cubecl::Device::Wgpu(Default::default()),
+        #[cfg(feature = "cuda")]
+        "cuda" => cubecl::Device::Cuda(cubecl::cuda::CudaDevice { index: 0 }),
+        #[cfg(feature = "rocm")]
+        "rocm" => cubecl::Device::Hip(cubecl::hip::AmdDevice { index: 0 }),
+        other => missing(&format!(
+            "a build with its runtime feature (`{other}` is not compiled in; features: wgpu, cuda, rocm)"
+        )),
+    }
+}
+
+/// The Burn device matching [`cube_device`].
+pub fn burn_device() -> burn::tensor::Device {
+    use burn::tensor::Device;
+    match device_name().as_str() {
+        #[cfg(feature = "wgpu")]
+        "wgpu-cpu" => {
+            ensure_runtime_dir();
+            Device::wgpu(burn::tensor::DeviceKind::Cpu)
+        }
+        #[cfg(feature = "wgpu")]
+        "wgpu" => Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+        #[cfg(feature = "cuda")]
+        "cuda" => Device::cuda(0),
+        #[cfg(feature = "rocm")]
+        "rocm" => Device::rocm(0),
+        other => missing(&format!("a build with the `{other}` feature")),
+    }
+}
+
+/// Vulkan loaders want `XDG_RUNTIME_DIR`; CI containers often lack it.
+fn ensure_runtime_dir() {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        let dir = std::env::temp_dir().join("flash-xdg");
+        std::fs::create_dir_all(&dir).ok();
+        // SAFETY: set once, before any device thread exists that reads the environment.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", dir) };
+    }
+}
+
+/// A client for the selected device; fails with instructions when the device is missing.
+pub fn client() -> cubecl::client::Client {
+    let device = cube_device();
+    match std::panic::catch_unwind(|| device.client()) {
+        Ok(client) => client,
+        Err(_) => missing("that device to exist on this machine"),
+    }
+}
+
+/// The dtypes the selected device computes in (f32 always).
+pub fn dtypes(client: &cubecl::client::Client) -> Vec<FloatDtype> {
+    [FloatDtype::F32, FloatDtype::F16, FloatDtype::BF16]
+        .into_iter()
+        .filter(|d| client.properties().supports_type(d.elem_type()))
+        .collect()
+}
+
+/// A seeded generator: `FLASH_SEED` if set, else a fresh seed. Failures print it.
+pub fn rng() -> (u64, StdRng) {
+    let seed = std::env::var("FLASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    (seed, StdRng::seed_from_u64(seed))
+}
+
+/// Standard normal values, rounded to `dtype`.
+pub fn randn(rng: &mut StdRng, n: usize, dtype: FloatDtype) -> Vec<f64> {
+    (0..n)
+        .map(|_| round(StandardNormal.sample(rng), dtype))
+        .collect()
+}
+
+/// `x` rounded to `dtype`.
+pub fn round(x: f64, dtype: FloatDtype) -> f64 {
+    match dtype {
+        FloatDtype::F32 => x as f32 as f64,
+        FloatDtype::F16 => half::f16::from_f64(x).to_f64(),
+        FloatDtype::BF16 => half::bf16::from_f64(x).to_f64(),
+    }
+}
+
+pub fn to_bytes(data: &[f64], dtype: FloatDtype) -> Vec<u8> {
+    match dtype {
+        FloatDtype::F32 => data.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+        FloatDtype::F16 => data
+            .iter()
+            .flat_map(|&x| half::f16::from_f64(x).to_le_bytes())
+            .collect(),
+        FloatDtype::BF16 => data
+            .iter()
+            .flat_map(|&x| half::bf16::from_f64(x).to_le_bytes())
+            .collect(),
+    }
+}
+
+pub fn from_bytes(bytes: &[u8], dtype: FloatDtype) -> Vec<f64> {
+    match dtype {
+        FloatDtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        FloatDtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f64())
+            .collect(),
+        FloatDtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
+            .collect(),
+    }
+}
+
+/// Uploads contiguous `[b, h, s, d]` data.
+pub fn upload(client: &Client, data: &[f64], shape: &[usize], dtype: FloatDtype) -> DeviceTensor {
+    DeviceTensor::from_bytes(client, shape, &to_bytes(data, dtype))
+}
+
+/// Uploads contiguous `[b, h, s, d]` data stored as `[b, s, h, d]` in memory and viewed
+/// back as `[b, h, s, d]` through strides (what `swap_dims(1, 2)` gives a kernel).
+pub fn upload_bshd(client: &Client, data: &[f64], shape: &[usize], dtype: FloatDtype) -> DeviceTensor {
+    let [b, h, s, d] = shape.try_into().unwrap();
+    let mut bshd = vec![0.0; data.len()];
+    for (n, &x) in data.iter().enumerate() {
+        let (bi, hi, si, di) = (n / (h * s * d), (n / (s * d)) % h, (n / d) % s, n % d);
+        bshd[((bi * s + si) * h + hi) * d + di] = x;
+    }
+    let mut t = DeviceTensor::from_bytes(client, &[b, s, h, d], &to_bytes(&bshd, dtype));
+    t.shape = shape.to_vec();
+    t.strides = vec![s * h * d, d, h * d, 1];
+    t
+}
+
+/// A contiguous tensor filled with NaN, so that anything a kernel fails to write shows.
+pub fn poisoned(client: &Client, shape: &[usize], dtype: FloatDtype) -> DeviceTensor {
+    let n: usize = shape.iter().product();
+    upload(client, &vec![f64::NAN; n], shape, dtype)
+}
+
+/// Reads a tensor back (contiguous tensors only).
+pub fn download(client: &Client, t: &DeviceTensor, dtype: FloatDtype) -> Vec<f64> {
+    let bytes = client.read_one(t.handle.clone()).expect("read back");
+    let n: usize = t.shape.iter().product();
+    from_bytes(&bytes[..n * dtype.size()], dtype)
+}
+
+/// One problem of the catalogue.
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    pub dims: Dims,
+    pub causal: bool,
+    pub window: (Option<usize>, Option<usize>),
+    pub softcap: Option<f64>,
+    pub scale: Option<f64>,
+}
+
+const fn dims(batch: usize, heads_q: usize, heads_kv: usize, seq_q: usize, seq_kv: usize, dim_qk: usize, dim_v: usize) -> Dims {
+    Dims {
+        batch,
+        heads_q,
+        heads_kv,
+        seq_q,
+        seq_kv,
+        dim_qk,
+        dim_v,
+    }
+}
+
+const fn case(dims: Dims) -> Case {
+    Case {
+        dims,
+        causal: false,
+        window: (None, None),
+        softcap: None,
+        scale: None,
+    }
+}
+
+/// The problem catalogue: odd sizes (s ∈ {1, 97, 128, 1025}, d ∈ {40, 64, 80, 96, 111, 128,
+/// 256}), s_q ≠ s_kv both ways, GQA ratios 1, 4 and all (MQA), every option.
+pub fn catalogue() -> Vec<Case> {
+    vec![
+        case(dims(1, 1, 1, 1, 1, 64, 64)),
+        Case {
+            causal: true,
+            ..case(dims(2, 2, 2, 1, 97, 40, 40))
+        },
+        Case {
+            causal: true,
+            ..case(dims(2, 4, 4, 97, 97, 40, 40))
+        },
+        // s_q > s_kv, causal: the first rows see no key at all.
+        Case {
+            causal: true,
+            ..case(dims(1, 4, 1, 128, 97, 80, 80))
+        },
+        case(dims(1, 4, 1, 97, 1025, 96, 96)),
+        Case {
+            causal: true,
+            ..case(dims(1, 2, 2, 1025, 1025, 64, 64))
+        },
+        Case {
+            window: (Some(16), Some(8)),
+            softcap: Some(5.0),
+            scale: Some(0.3),
+            ..case(dims(2, 4, 2, 97, 128, 111, 111))
+        },
+        Case {
+            causal: true,
+            window: (Some(33), None),
+            ..case(dims(1, 8, 2, 128, 200, 128, 64))
+        },
+        Case {
+            softcap: Some(2.0),
+            ..case(dims(1, 2, 1, 128, 97, 256, 256))
+        },
+    ]
+}
+
+impl Case {
+    pub fn options(&self) -> burn_flash_attention::kernels::AttentionOptions {
+        burn_flash_attention::kernels::AttentionOptions {
+            scale: self.scale.map(|s| s as f32),
+            mask: self.mask(),
+            softcap: self.softcap.map(|c| c as f32),
+        }
+    }
+
+    pub fn mask(&self) -> burn_flash_attention::kernels::MaskSpec {
+        burn_flash_attention::kernels::MaskSpec {
+            causal: self.causal,
+            window_left: self.window.0,
+            window_right: self.window.1,
+        }
+    }
+
+    pub fn reference_options(&self) -> burn_flash_attention::kernels::reference::ReferenceOptions {
+        burn_flash_attention::kernels::reference::ReferenceOptions {
+            scale: self.scale,
+            mask: self.mask(),
+            softcap: self.softcap,
+            ..Default::default()
+        }
+    }
+}
+
+/// Largest absolute difference; NaN counts as infinitely wrong, equal infinities as exact.
+pub fn max_abs_diff(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    got.iter()
+        .zip(want)
+        .map(|(&g, &w)| {
+            if g == w {
+                0.0
+            } else if g.is_nan() || w.is_nan() {
+                f64::INFINITY
+            } else {
+                (g - w).abs()
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+/// FlashAttention's rule: the kernel's error against the f64 reference is at most twice the
+/// error of naive attention computed in the input dtype, plus a small absolute floor
+/// (relative to the reference's magnitude).
+pub fn assert_close(what: &str, got: &[f64], want: &[f64], naive: &[f64], floor: f64, context: &str) {
+    let err = max_abs_diff(got, want);
+    let naive_err = max_abs_diff(naive, want);
+    let magnitude = want.iter().filter(|x| x.is_finite()).fold(1.0f64, |m, x| m.max(x.abs()));
+    let bound = 2.0 * naive_err + floor * magnitude;
+    assert!(
+        err <= bound,
+        "{what}: max error {err:.3e} > bound {bound:.3e} (naive-in-dtype error {naive_err:.3e}) — {context}"
+    );
+}

@@ -1,0 +1,116 @@
+//! Naive attention computed in the input dtype: the `[s_q, s_kv]` matrices are materialized
+//! and every stage's result is rounded to the dtype, as a framework running the composed
+//! attention in that dtype would (matrix products accumulate in f32). Its error against the
+//! f64 reference sets the tolerance of the kernels (see `assert_close`).
+
+use burn_flash_attention::kernels::{FloatDtype, reference::Dims};
+
+use super::{Case, round};
+
+pub struct Naive {
+    pub out: Vec<f64>,
+    pub lse: Vec<f64>,
+    pub dq: Vec<f64>,
+    pub dk: Vec<f64>,
+    pub dv: Vec<f64>,
+}
+
+/// Forward and backward of `case` with `d_out` as the upstream gradient.
+pub fn attention(case: &Case, dtype: FloatDtype, q: &[f64], k: &[f64], v: &[f64], d_out: &[f64]) -> Naive {
+    let Dims {
+        batch,
+        heads_q,
+        heads_kv,
+        seq_q,
+        seq_kv,
+        dim_qk,
+        dim_v,
+    } = case.dims;
+    let r = |x: f64| round(round(x, FloatDtype::F32), dtype);
+    let scale = case.scale.unwrap_or(1.0 / (dim_qk as f64).sqrt());
+    let mask = case.mask();
+    let group = heads_q / heads_kv;
+    let d = &case.dims;
+    let mut n = Naive {
+        out: vec![0.0; d.o_len()],
+        lse: vec![0.0; d.lse_len()],
+        dq: vec![0.0; d.q_len()],
+        dk: vec![0.0; d.k_len()],
+        dv: vec![0.0; d.v_len()],
+    };
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    for b in 0..batch {
+        for h in 0..heads_q {
+            let hk = h / group;
+            let q_at = |i: usize| &q[((b * heads_q + h) * seq_q + i) * dim_qk..][..dim_qk];
+            let k_at = |j: usize| &k[((b * heads_kv + hk) * seq_kv + j) * dim_qk..][..dim_qk];
+            let v_at = |j: usize| &v[((b * heads_kv + hk) * seq_kv + j) * dim_v..][..dim_v];
+            let do_at = |i: usize| &d_out[((b * heads_q + h) * seq_q + i) * dim_v..][..dim_v];
+            // S = round(Q·Kᵀ), then scale and softcap, each rounded.
+            let mut s = vec![f64::NEG_INFINITY; seq_q * seq_kv];
+            let mut ds_dqk = vec![0.0; seq_q * seq_kv];
+            for i in 0..seq_q {
+                for j in 0..seq_kv {
+                    let mut x = r(r(dot(q_at(i), k_at(j))) * scale);
+                    let mut g = scale;
+                    if let Some(cap) = case.softcap {
+                        let t = r((x / cap).tanh());
+                        x = r(cap * t);
+                        g *= 1.0 - t * t;
+                    }
+                    if mask.is_visible(i, j, seq_q, seq_kv) {
+                        s[i * seq_kv + j] = x;
+                    }
+                    ds_dqk[i * seq_kv + j] = g;
+                }
+            }
+            // P = round(softmax(S)) (softmax in f32).
+            let mut p = vec![0.0; seq_q * seq_kv];
+            for i in 0..seq_q {
+                let row = &s[i * seq_kv..][..seq_kv];
+                let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let lse_row = (b * heads_q + h) * seq_q + i;
+                if max == f64::NEG_INFINITY {
+                    n.lse[lse_row] = f64::NEG_INFINITY;
+                    continue;
+                }
+                let f = |x: f64| round(x, FloatDtype::F32);
+                let sum = f(row.iter().map(|&x| f((x - max).exp())).sum());
+                n.lse[lse_row] = f(max + sum.ln());
+                for j in 0..seq_kv {
+                    p[i * seq_kv + j] = r(f((row[j] - max).exp()) / sum);
+                }
+            }
+            // O = round(P·V); backward on the rounded matrices.
+            for i in 0..seq_q {
+                let row = (b * heads_q + h) * seq_q + i;
+                let dp: Vec<f64> = (0..seq_kv).map(|j| r(dot(do_at(i), v_at(j)))).collect();
+                let mut o = vec![0.0; dim_v];
+                for j in 0..seq_kv {
+                    for c in 0..dim_v {
+                        o[c] += p[i * seq_kv + j] * v_at(j)[c];
+                    }
+                }
+                let o: Vec<f64> = o.into_iter().map(r).collect();
+                let delta = r(dot(&o, do_at(i)));
+                n.out[row * dim_v..][..dim_v].copy_from_slice(&o);
+                for j in 0..seq_kv {
+                    let pij = p[i * seq_kv + j];
+                    let ds = r(pij * (dp[j] - delta)) * ds_dqk[i * seq_kv + j];
+                    let kv_row = (b * heads_kv + hk) * seq_kv + j;
+                    for c in 0..dim_v {
+                        n.dv[kv_row * dim_v + c] += pij * do_at(i)[c];
+                    }
+                    for c in 0..dim_qk {
+                        n.dq[row * dim_qk + c] += ds * k_at(j)[c];
+                        n.dk[kv_row * dim_qk + c] += ds * q_at(i)[c];
+                    }
+                }
+            }
+        }
+    }
+    for g in [&mut n.dq, &mut n.dk, &mut n.dv] {
+        g.iter_mut().for_each(|x| *x = r(*x));
+    }
+    n
+}

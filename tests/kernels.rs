@@ -1,0 +1,168 @@
+//! The CubeCL kernels against the f64 oracle on the device `FLASH_DEVICE` selects, every
+//! catalogue problem and every dtype the device has.
+
+use burn_flash_attention::kernels::{
+    DeviceTensor, FlashError, FloatDtype, KernelPath,
+    backward::{Gradients, Saved, backward, backward_into},
+    forward::{forward, forward_into},
+    reference,
+};
+use cubecl::client::Client;
+
+use crate::common::{self, Case, assert_close, download, naive, poisoned, upload, upload_bshd};
+
+struct Inputs {
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    d_out: Vec<f64>,
+}
+
+fn inputs(case: &Case, dtype: FloatDtype, rng: &mut rand::rngs::StdRng) -> Inputs {
+    let d = &case.dims;
+    Inputs {
+        q: common::randn(rng, d.q_len(), dtype),
+        k: common::randn(rng, d.k_len(), dtype),
+        v: common::randn(rng, d.v_len(), dtype),
+        d_out: common::randn(rng, d.o_len(), dtype),
+    }
+}
+
+fn shapes(case: &Case) -> ([usize; 4], [usize; 4], [usize; 4], [usize; 4]) {
+    let d = &case.dims;
+    (
+        [d.batch, d.heads_q, d.seq_q, d.dim_qk],
+        [d.batch, d.heads_kv, d.seq_kv, d.dim_qk],
+        [d.batch, d.heads_kv, d.seq_kv, d.dim_v],
+        [d.batch, d.heads_q, d.seq_q, d.dim_v],
+    )
+}
+
+/// Runs forward and backward on the device (outputs poisoned with NaN first) and checks
+/// everything against the oracle.
+fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool) {
+    let (seed, mut rng) = common::rng();
+    let context = format!("seed {seed} (FLASH_SEED={seed} reproduces), {dtype:?}, strided={strided}, {case:?}");
+    let x = inputs(case, dtype, &mut rng);
+    let (qs, ks, vs, os) = shapes(case);
+    let up = if strided { upload_bshd } else { upload };
+    let (q, k, v) = (up(client, &x.q, &qs, dtype), up(client, &x.k, &ks, dtype), up(client, &x.v, &vs, dtype));
+    let d_out = up(client, &x.d_out, &os, dtype);
+
+    let out = poisoned(client, &os, dtype);
+    let lse = poisoned(client, &os[..3], FloatDtype::F32);
+    forward_into(client, &q, &k, &v, &out, &lse, dtype, case.options(), KernelPath::Auto)
+        .unwrap_or_else(|e| panic!("forward: {e} — {context}"));
+
+    let grads = Gradients {
+        dq: poisoned(client, &qs, dtype),
+        dk: poisoned(client, &ks, dtype),
+        dv: poisoned(client, &vs, dtype),
+    };
+    let saved = Saved {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        lse: &lse,
+    };
+    backward_into(client, saved, &d_out, &grads, dtype, case.options(), KernelPath::Auto)
+        .unwrap_or_else(|e| panic!("backward: {e} — {context}"));
+
+    let opts = case.reference_options();
+    let want = reference::forward(&case.dims, &opts, &x.q, &x.k, &x.v);
+    let want_grads = reference::backward(&case.dims, &opts, &x.q, &x.k, &x.v, &x.d_out);
+    let low = naive::attention(case, dtype, &x.q, &x.k, &x.v, &x.d_out);
+
+    let got_out = download(client, &out, dtype);
+    let got_lse = download(client, &lse, FloatDtype::F32);
+    assert_close("O", &got_out, &want.out, &low.out, 2e-5, &context);
+    assert_close("LSE", &got_lse, &want.lse, &low.lse, 2e-5, &context);
+    assert_close("dQ", &download(client, &grads.dq, dtype), &want_grads.dq, &low.dq, 1e-4, &context);
+    assert_close("dK", &download(client, &grads.dk, dtype), &want_grads.dk, &low.dk, 1e-4, &context);
+    assert_close("dV", &download(client, &grads.dv, dtype), &want_grads.dv, &low.dv, 1e-4, &context);
+
+    // Rows that see no key: O = 0 and LSE = −∞ exactly, never NaN.
+    for (row, &l) in want.lse.iter().enumerate() {
+        if l == f64::NEG_INFINITY {
+            assert_eq!(got_lse[row], f64::NEG_INFINITY, "LSE of fully masked row {row} — {context}");
+            let o = &got_out[row * case.dims.dim_v..][..case.dims.dim_v];
+            assert!(o.iter().all(|&x| x == 0.0), "O of fully masked row {row}: {o:?} — {context}");
+        }
+    }
+}
+
+#[test]
+fn forward_and_backward_match_the_oracle() {
+    let client = common::client();
+    let dtypes = common::dtypes(&client);
+    for case in common::catalogue() {
+        for &dtype in &dtypes {
+            check_case(&client, &case, dtype, false);
+        }
+    }
+}
+
+#[test]
+fn strided_bshd_inputs_are_read_in_place() {
+    let client = common::client();
+    for case in common::catalogue().iter().filter(|c| c.dims.seq_q < 1000 && c.dims.seq_kv < 1000) {
+        check_case(&client, case, FloatDtype::F32, true);
+    }
+}
+
+#[test]
+fn backward_is_bitwise_deterministic() {
+    let client = common::client();
+    let case = common::catalogue()[7]; // GQA 8/2, causal window, d_v ≠ d_qk
+    let (seed, mut rng) = common::rng();
+    let dtype = FloatDtype::F32;
+    let x = inputs(&case, dtype, &mut rng);
+    let (qs, ks, vs, os) = shapes(&case);
+    let (q, k, v) = (upload(&client, &x.q, &qs, dtype), upload(&client, &x.k, &ks, dtype), upload(&client, &x.v, &vs, dtype));
+    let d_out = upload(&client, &x.d_out, &os, dtype);
+    let fwd = forward(&client, &q, &k, &v, dtype, case.options(), KernelPath::Auto).unwrap();
+    let saved = Saved {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &fwd.out,
+        lse: &fwd.lse,
+    };
+    let run = || {
+        let g = backward(&client, saved, &d_out, dtype, case.options(), KernelPath::Auto).unwrap();
+        [g.dq, g.dk, g.dv].map(|t: DeviceTensor| client.read_one(t.handle).unwrap().to_vec())
+    };
+    assert!(run() == run(), "two backward runs differ bitwise (seed {seed})");
+}
+
+#[test]
+fn unsupported_dtypes_are_refused_clearly() {
+    let client = common::client();
+    let supported = common::dtypes(&client);
+    let case = common::catalogue()[2];
+    let (qs, ks, vs, _) = shapes(&case);
+    for dtype in [FloatDtype::F16, FloatDtype::BF16] {
+        if supported.contains(&dtype) {
+            continue;
+        }
+        // Buffers of the right size; the launcher must refuse before touching them.
+        let t = |s: &[usize]| DeviceTensor::empty(&client, s, 2);
+        let err = forward(&client, &t(&qs), &t(&ks), &t(&vs), dtype, case.options(), KernelPath::Auto).unwrap_err();
+        assert!(matches!(err, FlashError::Dtype { .. }), "{dtype:?}: {err}");
+    }
+    // f32 is supported everywhere.
+    assert!(supported.contains(&FloatDtype::F32));
+}
+
+#[test]
+fn bad_shapes_are_errors_not_launches() {
+    let client = common::client();
+    let t = |s: &[usize]| DeviceTensor::empty(&client, s, 4);
+    let err = forward(&client, &t(&[1, 3, 8, 16]), &t(&[1, 2, 8, 16]), &t(&[1, 2, 8, 16]), FloatDtype::F32, Default::default(), KernelPath::Auto)
+        .unwrap_err();
+    assert!(err.to_string().contains("`key`"), "{err}");
+    let err = forward(&client, &t(&[1, 2, 8]), &t(&[1, 2, 8, 16]), &t(&[1, 2, 8, 16]), FloatDtype::F32, Default::default(), KernelPath::Auto)
+        .unwrap_err();
+    assert!(matches!(err, FlashError::Rank { arg: "query", .. }), "{err}");
+}

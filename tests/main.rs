@@ -1,0 +1,9 @@
+//! One integration-test binary (each test binary links all of Burn and CubeCL).
+//!
+//! Kernel tests run on the device `FLASH_DEVICE` selects (default `wgpu-cpu`: lavapipe, the
+//! CPU Vulkan driver). See `tests/common/mod.rs`.
+
+mod common;
+mod kernels;
+mod oracle;
+mod op;
