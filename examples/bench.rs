@@ -119,10 +119,24 @@ fn bytes_in_use(client: &Option<cubecl::client::Client>) -> Option<u64> {
     })
 }
 
-/// Median seconds of `f` (warmed up, device synced), and the memory it left in use.
-fn measure(dev: &Device, seconds: f64, mut f: impl FnMut() -> Vec<Tensor<4>>) -> f64 {
+/// Median seconds of `f` (warmed up, device synced), and the device memory its outputs hold
+/// (bytes in use with the outputs alive minus before the call; None where not measurable).
+fn measure(
+    dev: &Device,
+    client: &Option<cubecl::client::Client>,
+    seconds: f64,
+    mut f: impl FnMut() -> Vec<Tensor<4>>,
+) -> (f64, Option<f64>) {
     drop(f());
     dev.sync().unwrap();
+    let before = bytes_in_use(client);
+    let out = f();
+    dev.sync().unwrap();
+    let extra = match (before, bytes_in_use(client)) {
+        (Some(a), Some(b)) => Some((b as f64 - a as f64) / (1 << 20) as f64),
+        _ => None,
+    };
+    drop(out);
     let mut times = Vec::new();
     let start = Instant::now();
     while times.len() < 3 || (start.elapsed().as_secs_f64() < seconds && times.len() < 50) {
@@ -133,7 +147,7 @@ fn measure(dev: &Device, seconds: f64, mut f: impl FnMut() -> Vec<Tensor<4>>) ->
         drop(out);
     }
     times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+    (times[times.len() / 2], extra)
 }
 
 fn main() {
@@ -192,38 +206,25 @@ fn main() {
                     "burn" => attention(q, k, v, None, None, burn_opts),
                     _ => attention_fallback(q, k, v, None, None, burn_opts),
                 };
-                let before = bytes_in_use(&client);
-                let (time, extra) = if pass == "fwd" {
-                    let mut peak = None;
-                    let t = measure(&dev, args.seconds, || {
-                        let o = forward(q.clone(), k.clone(), v.clone());
-                        dev.sync().unwrap();
-                        peak = bytes_in_use(&client);
-                        vec![o]
-                    });
-                    (t, peak)
+                let (time, extra_mib) = if pass == "fwd" {
+                    measure(&dev, &client, args.seconds, || {
+                        vec![forward(q.clone(), k.clone(), v.clone())]
+                    })
                 } else {
-                    let ad = dev.clone().autodiff();
                     let (qa, ka, va) = (
                         q.clone().autodiff().require_grad(),
                         k.clone().autodiff().require_grad(),
                         v.clone().autodiff().require_grad(),
                     );
-                    let _ = ad;
-                    let mut peak = None;
-                    let t = measure(&dev, args.seconds, || {
+                    measure(&dev, &client, args.seconds, || {
                         let o = forward(qa.clone(), ka.clone(), va.clone());
                         let grads = o.sum().backward();
-                        let g = [qa.grad(&grads).unwrap(), ka.grad(&grads).unwrap(), va.grad(&grads).unwrap()];
-                        dev.sync().unwrap();
-                        peak = bytes_in_use(&client);
-                        g.into()
-                    });
-                    (t, peak)
-                };
-                let extra_mib = match (before, extra) {
-                    (Some(a), Some(b)) => Some((b as f64 - a as f64) / (1 << 20) as f64),
-                    _ => None,
+                        vec![
+                            qa.grad(&grads).unwrap(),
+                            ka.grad(&grads).unwrap(),
+                            va.grad(&grads).unwrap(),
+                        ]
+                    })
                 };
                 let fl = if pass == "fwd" { flops } else { 3.5 * flops };
                 let rec = Record {
@@ -246,7 +247,8 @@ fn main() {
                     n + 1,
                     rec.ms,
                     rec.tflops,
-                    rec.peak_extra_mib.map_or("-".into(), |m| format!("{m:.0} MiB"))
+                    rec.peak_extra_mib
+                        .map_or("-".into(), |m| format!("{m:.0} MiB"))
                 );
                 records.push(serde_json::to_value(rec).unwrap());
             }

@@ -40,9 +40,12 @@ pub(crate) fn attention(
         let hidden: Vec<bool> = (0..seq_q * seq_kv)
             .map(|n| !mask.is_visible(n / seq_kv, n % seq_kv, seq_q, seq_kv))
             .collect();
-        let hidden = Tensor::<2, Bool>::from_data(TensorData::new(hidden, [seq_q, seq_kv]), &scores.device())
-            .unsqueeze::<4>()
-            .expand([batch, heads_q, seq_q, seq_kv]);
+        let hidden = Tensor::<2, Bool>::from_data(
+            TensorData::new(hidden, [seq_q, seq_kv]),
+            &scores.device(),
+        )
+        .unsqueeze::<4>()
+        .expand([batch, heads_q, seq_q, seq_kv]);
         scores = scores.mask_fill(hidden, f32::NEG_INFINITY);
     }
     // Softmax with its LSE. A fully masked row has max −∞, clamped (to a value every float

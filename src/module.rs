@@ -102,7 +102,9 @@ impl FlashMultiHeadAttention {
         let split = |x: Tensor<3>, proj: &Linear, heads: usize| {
             let [b, s, _] = x.dims();
             // [b, s, h·d] → [b, s, h, d] viewed as [b, h, s, d]: no copy.
-            proj.forward(x).reshape([b, s, heads, self.d_k]).swap_dims(1, 2)
+            proj.forward(x)
+                .reshape([b, s, heads, self.d_k])
+                .swap_dims(1, 2)
         };
         let q = split(query, &self.query, self.n_heads);
         let k = split(key, &self.key, self.n_kv_heads);

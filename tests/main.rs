@@ -5,5 +5,5 @@
 
 mod common;
 mod kernels;
-mod oracle;
 mod op;
+mod oracle;

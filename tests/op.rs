@@ -4,8 +4,8 @@
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_flash_attention::kernels::{FloatDtype, reference};
 use burn_flash_attention::{
-    FlashAttentionOptions, FlashMultiHeadAttentionConfig, flash_attention, flash_attention_with_lse,
-    supports_flash_attention,
+    FlashAttentionOptions, FlashMultiHeadAttentionConfig, flash_attention,
+    flash_attention_with_lse, supports_flash_attention,
 };
 
 use crate::common::{self, Case, assert_close, naive};
@@ -16,7 +16,13 @@ fn tensor(data: &[f64], shape: [usize; 4], device: &Device) -> Tensor<4> {
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f64> {
-    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap().into_iter().map(f64::from).collect()
+    t.into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
 }
 
 fn options(case: &Case) -> FlashAttentionOptions {
@@ -78,7 +84,10 @@ fn random_inputs(case: &Case, rng: &mut rand::rngs::StdRng) -> [Vec<f64>; 4] {
 #[test]
 fn fused_op_and_gradients_match_the_oracle() {
     let device = common::burn_device();
-    assert!(supports_flash_attention(&device), "{device:?} should run the fused kernels");
+    assert!(
+        supports_flash_attention(&device),
+        "{device:?} should run the fused kernels"
+    );
     for case in cases() {
         for bshd in [false, true] {
             let (seed, mut rng) = common::rng();
@@ -109,9 +118,18 @@ fn fallback_backend_gives_the_same_results() {
         let x = random_inputs(&case, &mut rng);
         let a = run(&fused, &case, &x, false);
         let b = run(&flex, &case, &x, false);
-        for (what, p, q) in [("O", &a.out, &b.out), ("LSE", &a.lse, &b.lse), ("dQ", &a.dq, &b.dq), ("dK", &a.dk, &b.dk), ("dV", &a.dv, &b.dv)] {
+        for (what, p, q) in [
+            ("O", &a.out, &b.out),
+            ("LSE", &a.lse, &b.lse),
+            ("dQ", &a.dq, &b.dq),
+            ("dK", &a.dk, &b.dk),
+            ("dV", &a.dv, &b.dv),
+        ] {
             let err = common::max_abs_diff(p, q);
-            assert!(err < 1e-4, "{what}: fused vs fallback differ by {err:.3e} — {context}");
+            assert!(
+                err < 1e-4,
+                "{what}: fused vs fallback differ by {err:.3e} — {context}"
+            );
         }
     }
 }
@@ -124,14 +142,24 @@ fn small(device: &Device, shape: [usize; 4]) -> Tensor<4> {
 #[should_panic(expected = "`key`")]
 fn mismatched_head_dims_name_the_argument() {
     let device = common::burn_device();
-    flash_attention(small(&device, [1, 2, 4, 8]), small(&device, [1, 2, 4, 16]), small(&device, [1, 2, 4, 8]), Default::default());
+    flash_attention(
+        small(&device, [1, 2, 4, 8]),
+        small(&device, [1, 2, 4, 16]),
+        small(&device, [1, 2, 4, 8]),
+        Default::default(),
+    );
 }
 
 #[test]
 #[should_panic(expected = "GQA")]
 fn head_ratio_is_checked() {
     let device = common::burn_device();
-    flash_attention(small(&device, [1, 3, 4, 8]), small(&device, [1, 2, 4, 8]), small(&device, [1, 2, 4, 8]), Default::default());
+    flash_attention(
+        small(&device, [1, 3, 4, 8]),
+        small(&device, [1, 2, 4, 8]),
+        small(&device, [1, 2, 4, 8]),
+        Default::default(),
+    );
 }
 
 #[test]
@@ -139,7 +167,12 @@ fn head_ratio_is_checked() {
 fn mixed_dtypes_are_refused() {
     let device = common::burn_device();
     let v = small(&device, [1, 2, 4, 8]).cast(burn::tensor::FloatDType::F16);
-    flash_attention(small(&device, [1, 2, 4, 8]), small(&device, [1, 2, 4, 8]), v, Default::default());
+    flash_attention(
+        small(&device, [1, 2, 4, 8]),
+        small(&device, [1, 2, 4, 8]),
+        v,
+        Default::default(),
+    );
 }
 
 #[test]
@@ -152,8 +185,12 @@ fn module_trains() {
         .with_causal(true)
         .init(&device);
     let mut optim = AdamConfig::new().init();
-    let x = tensor(&common::randn(&mut rng, 2 * 16 * 32, FloatDtype::F32), [1, 2, 16, 32], &device)
-        .reshape([2, 16, 32]);
+    let x = tensor(
+        &common::randn(&mut rng, 2 * 16 * 32, FloatDtype::F32),
+        [1, 2, 16, 32],
+        &device,
+    )
+    .reshape([2, 16, 32]);
     // Learn the identity map through attention.
     let mut losses = Vec::new();
     for _ in 0..30 {
@@ -162,6 +199,12 @@ fn module_trains() {
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(1e-2, model, grads);
     }
-    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?} (seed {seed})");
-    assert!(losses[29] < 0.5 * losses[0], "loss did not fall: {losses:?} (seed {seed})");
+    assert!(
+        losses.iter().all(|l| l.is_finite()),
+        "{losses:?} (seed {seed})"
+    );
+    assert!(
+        losses[29] < 0.5 * losses[0],
+        "loss did not fall: {losses:?} (seed {seed})"
+    );
 }

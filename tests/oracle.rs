@@ -60,9 +60,16 @@ fn reference_matches_burn_attention_fallback() {
 
         let got = attention_fallback(
             tensor(&q, [dims.batch, dims.heads_q, seq_q, dims.dim_qk], &device),
-            tensor(&k, [dims.batch, dims.heads_kv, seq_kv, dims.dim_qk], &device),
+            tensor(
+                &k,
+                [dims.batch, dims.heads_kv, seq_kv, dims.dim_qk],
+                &device,
+            ),
             tensor(&v, [dims.batch, dims.heads_kv, seq_kv, dims.dim_v], &device),
-            Some(Tensor::<4, Bool>::from_data(TensorData::new(mask, full), &device)),
+            Some(Tensor::<4, Bool>::from_data(
+                TensorData::new(mask, full),
+                &device,
+            )),
             Some(tensor(&bias, full, &device)),
             AttentionModuleOptions {
                 scale: Some(0.4),
@@ -70,8 +77,17 @@ fn reference_matches_burn_attention_fallback() {
                 is_causal: true,
             },
         );
-        let got: Vec<f64> = got.into_data().try_to_vec::<f32>().unwrap().into_iter().map(f64::from).collect();
+        let got: Vec<f64> = got
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect();
         let err = max_abs_diff(&got, &want.out);
-        assert!(err < 1e-5, "max error {err:.3e}, s_q={seq_q} s_kv={seq_kv}, seed {seed}");
+        assert!(
+            err < 1e-5,
+            "max error {err:.3e}, s_q={seq_q} s_kv={seq_kv}, seed {seed}"
+        );
     }
 }

@@ -18,8 +18,14 @@ fn main() {
          use the CUDA C++ / HIP C++ compilers (cubecl features cuda-cpp, hip-cpp)\\n\", symbol);\n\
          \tabort();\n}\n",
     );
-    for symbol in symbols.lines().map(str::trim).filter(|s| !s.is_empty() && !s.starts_with('#')) {
-        source.push_str(&format!("void {symbol}(void) {{ unavailable(\"{symbol}\"); }}\n"));
+    for symbol in symbols
+        .lines()
+        .map(str::trim)
+        .filter(|s| !s.is_empty() && !s.starts_with('#'))
+    {
+        source.push_str(&format!(
+            "void {symbol}(void) {{ unavailable(\"{symbol}\"); }}\n"
+        ));
     }
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let c_file = out.join("llvm_stubs.c");

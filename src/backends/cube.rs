@@ -14,7 +14,11 @@ use crate::options::FlashAttentionOptions;
 
 /// The kernel crate's view of a Burn tensor (strides kept: no copy for strided views).
 fn device_tensor(t: CubeTensor) -> DeviceTensor {
-    let t = if t.meta.is_tiled() { into_contiguous(t) } else { t };
+    let t = if t.meta.is_tiled() {
+        into_contiguous(t)
+    } else {
+        t
+    };
     DeviceTensor {
         handle: t.handle.clone(),
         shape: t.meta.shape().to_vec(),

@@ -23,6 +23,11 @@ fn missing(what: &str) -> ! {
     )
 }
 
+/// Whether the selected device is the CPU (lavapipe).
+pub fn is_cpu_device() -> bool {
+    device_name() == "wgpu-cpu"
+}
+
 /// The CubeCL device selected by `FLASH_DEVICE`.
 pub fn cube_device() -> cubecl::Device {
     match device_name().as_str() {
@@ -117,7 +122,10 @@ pub fn round(x: f64, dtype: FloatDtype) -> f64 {
 
 pub fn to_bytes(data: &[f64], dtype: FloatDtype) -> Vec<u8> {
     match dtype {
-        FloatDtype::F32 => data.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+        FloatDtype::F32 => data
+            .iter()
+            .flat_map(|&x| (x as f32).to_le_bytes())
+            .collect(),
         FloatDtype::F16 => data
             .iter()
             .flat_map(|&x| half::f16::from_f64(x).to_le_bytes())
@@ -153,7 +161,12 @@ pub fn upload(client: &Client, data: &[f64], shape: &[usize], dtype: FloatDtype)
 
 /// Uploads contiguous `[b, h, s, d]` data stored as `[b, s, h, d]` in memory and viewed
 /// back as `[b, h, s, d]` through strides (what `swap_dims(1, 2)` gives a kernel).
-pub fn upload_bshd(client: &Client, data: &[f64], shape: &[usize], dtype: FloatDtype) -> DeviceTensor {
+pub fn upload_bshd(
+    client: &Client,
+    data: &[f64],
+    shape: &[usize],
+    dtype: FloatDtype,
+) -> DeviceTensor {
     let [b, h, s, d] = shape.try_into().unwrap();
     let mut bshd = vec![0.0; data.len()];
     for (n, &x) in data.iter().enumerate() {
@@ -189,7 +202,15 @@ pub struct Case {
     pub scale: Option<f64>,
 }
 
-const fn dims(batch: usize, heads_q: usize, heads_kv: usize, seq_q: usize, seq_kv: usize, dim_qk: usize, dim_v: usize) -> Dims {
+const fn dims(
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    seq_q: usize,
+    seq_kv: usize,
+    dim_qk: usize,
+    dim_v: usize,
+) -> Dims {
     Dims {
         batch,
         heads_q,
@@ -252,7 +273,24 @@ pub fn catalogue() -> Vec<Case> {
     ]
 }
 
+/// The catalogue, or only its entry `FLASH_CASE=<index>` when set (to debug one problem).
+pub fn selected_cases() -> Vec<Case> {
+    let all = catalogue();
+    match std::env::var("FLASH_CASE")
+        .ok()
+        .and_then(|i| i.parse::<usize>().ok())
+    {
+        Some(i) => vec![all[i]],
+        None => all,
+    }
+}
+
 impl Case {
+    /// Sequences of a thousand or more.
+    pub fn is_long(&self) -> bool {
+        self.dims.seq_q.max(self.dims.seq_kv) > 1000
+    }
+
     pub fn options(&self) -> burn_flash_attention::kernels::AttentionOptions {
         burn_flash_attention::kernels::AttentionOptions {
             scale: self.scale.map(|s| s as f32),
@@ -299,10 +337,20 @@ pub fn max_abs_diff(got: &[f64], want: &[f64]) -> f64 {
 /// FlashAttention's rule: the kernel's error against the f64 reference is at most twice the
 /// error of naive attention computed in the input dtype, plus a small absolute floor
 /// (relative to the reference's magnitude).
-pub fn assert_close(what: &str, got: &[f64], want: &[f64], naive: &[f64], floor: f64, context: &str) {
+pub fn assert_close(
+    what: &str,
+    got: &[f64],
+    want: &[f64],
+    naive: &[f64],
+    floor: f64,
+    context: &str,
+) {
     let err = max_abs_diff(got, want);
     let naive_err = max_abs_diff(naive, want);
-    let magnitude = want.iter().filter(|x| x.is_finite()).fold(1.0f64, |m, x| m.max(x.abs()));
+    let magnitude = want
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(1.0f64, |m, x| m.max(x.abs()));
     let bound = 2.0 * naive_err + floor * magnitude;
     assert!(
         err <= bound,

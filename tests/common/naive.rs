@@ -16,7 +16,14 @@ pub struct Naive {
 }
 
 /// Forward and backward of `case` with `d_out` as the upstream gradient.
-pub fn attention(case: &Case, dtype: FloatDtype, q: &[f64], k: &[f64], v: &[f64], d_out: &[f64]) -> Naive {
+pub fn attention(
+    case: &Case,
+    dtype: FloatDtype,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d_out: &[f64],
+) -> Naive {
     let Dims {
         batch,
         heads_q,

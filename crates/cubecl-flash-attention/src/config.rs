@@ -23,6 +23,10 @@ pub struct DeviceLimits {
     pub max_units_per_cube: usize,
     /// Units of a plane (warp/wavefront): 32 on NVIDIA, 64 on AMD CDNA, varies on CPUs.
     pub plane_size: usize,
+    /// Whether the device has plane operations. Used as the mark of a GPU with a SIMT
+    /// register file, where unrolled head-dim loops keep per-row arrays in registers; CPU
+    /// Vulkan drivers (lavapipe) have none, and take minutes to compile such unrolled loops.
+    pub plane_ops: bool,
 }
 
 impl DeviceLimits {
@@ -32,6 +36,10 @@ impl DeviceLimits {
             max_shared_memory: hw.max_shared_memory_size,
             max_units_per_cube: hw.max_units_per_cube as usize,
             plane_size: hw.plane_size_max as usize,
+            plane_ops: props
+                .features
+                .plane
+                .contains(cubecl::ir::features::Plane::Ops),
         }
     }
 }
@@ -54,8 +62,14 @@ pub struct TileConfig {
     pub unroll: bool,
 }
 
-/// Largest head dim whose loops are unrolled (larger rows would not fit in registers anyway).
+/// Largest head dim whose loops are unrolled on GPUs (larger rows would not fit in
+/// registers anyway).
 const MAX_UNROLLED_DIM: usize = 128;
+/// Largest head dim whose loops are unrolled on devices without plane operations (CPU
+/// Vulkan drivers): lavapipe (Mesa 22.3) takes minutes to compile unrolled loops over
+/// larger rows, and miscompiles some of the rolled loops over smaller ones (see
+/// docs/status.md), so up to this size the loops are unrolled there too.
+const MAX_UNROLLED_DIM_CPU: usize = 96;
 
 /// Rows of the cube's own operand: one unit each, a whole number of planes where possible.
 const ROWS_PER_CUBE: usize = 64;
@@ -87,7 +101,12 @@ pub fn choose_portable_tiles(
         dim_v: problem.dim_v,
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
-        unroll: problem.dim_qk.max(problem.dim_v) <= MAX_UNROLLED_DIM,
+        unroll: problem.dim_qk.max(problem.dim_v)
+            <= if limits.plane_ops {
+                MAX_UNROLLED_DIM
+            } else {
+                MAX_UNROLLED_DIM_CPU
+            },
     })
 }
 
@@ -107,16 +126,19 @@ mod tests {
         max_shared_memory: 232_448,
         max_units_per_cube: 1024,
         plane_size: 32,
+        plane_ops: true,
     };
     const AMD: DeviceLimits = DeviceLimits {
         max_shared_memory: 65_536,
         max_units_per_cube: 1024,
         plane_size: 64,
+        plane_ops: true,
     };
     const WEBGPU: DeviceLimits = DeviceLimits {
         max_shared_memory: 16_384,
         max_units_per_cube: 256,
         plane_size: 1,
+        plane_ops: false,
     };
 
     #[test]
@@ -127,8 +149,13 @@ mod tests {
                 let row_bytes = 4 * (p.dim_qk + p.dim_v);
                 let t = choose_portable_tiles(&p, &limits, row_bytes).unwrap();
                 assert!(t.block_stream.is_power_of_two());
-                assert!(t.block_stream * row_bytes <= limits.max_shared_memory, "{limits:?} d={d}");
+                assert!(
+                    t.block_stream * row_bytes <= limits.max_shared_memory,
+                    "{limits:?} d={d}"
+                );
                 assert!(t.block_rows <= limits.max_units_per_cube);
+                let unrolled_up_to = if limits.plane_ops { 128 } else { 96 };
+                assert_eq!(t.unroll, d <= unrolled_up_to, "{limits:?} d={d}");
             }
         }
     }

@@ -5,7 +5,10 @@
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FlashError {
     #[error("`{arg}` must have rank 4 [batch, heads, seq, dim], got shape {shape:?}")]
-    Rank { arg: &'static str, shape: Vec<usize> },
+    Rank {
+        arg: &'static str,
+        shape: Vec<usize>,
+    },
     #[error("`{arg}` has shape {shape:?}: {expected}")]
     Shape {
         arg: &'static str,
@@ -19,10 +22,7 @@ pub enum FlashError {
         expected: String,
     },
     #[error("`{arg}` is invalid: {expected}")]
-    Option {
-        arg: &'static str,
-        expected: String,
-    },
+    Option { arg: &'static str, expected: String },
     #[error("not available on this device: {0}")]
     Unavailable(String),
     #[error("no kernel configuration fits: {0}")]

@@ -71,7 +71,11 @@ pub(crate) fn check_dtype(client: &Client, dtype: FloatDtype) -> Result<(), Flas
     }
 }
 
-pub(crate) fn expect_shape(arg: &'static str, t: &DeviceTensor, shape: &[usize]) -> Result<(), FlashError> {
+pub(crate) fn expect_shape(
+    arg: &'static str,
+    t: &DeviceTensor,
+    shape: &[usize],
+) -> Result<(), FlashError> {
     if t.shape == shape {
         Ok(())
     } else {
@@ -97,7 +101,12 @@ pub(crate) fn softcap_arg(problem: &AttentionProblem) -> f32 {
 }
 
 /// One cube per block of `rows` rows of `seq`, per batch·head (`heads`).
-pub(crate) fn grid(config: &TileConfig, seq: usize, batch: usize, heads: usize) -> (CubeCount, CubeDim) {
+pub(crate) fn grid(
+    config: &TileConfig,
+    seq: usize,
+    batch: usize,
+    heads: usize,
+) -> (CubeCount, CubeDim) {
     let blocks = seq.div_ceil(config.block_rows) as u32;
     (
         CubeCount::Static(blocks, (batch * heads) as u32, 1),

@@ -49,7 +49,8 @@ impl MaskSpec {
         let (left, right) = self.window();
         let diagonal = i as i64 + seq_kv as i64 - seq_q as i64;
         let j = j as i64;
-        left.is_none_or(|l| j >= diagonal - l as i64) && right.is_none_or(|r| j <= diagonal + r as i64)
+        left.is_none_or(|l| j >= diagonal - l as i64)
+            && right.is_none_or(|r| j <= diagonal + r as i64)
     }
 
     /// The kernels' `(left, right)` arguments: unbounded sides become `s_q + s_kv`.
@@ -89,7 +90,10 @@ impl Mask {
     /// Whether query `i` sees key `j` (rows past either end never do).
     pub fn is_visible(&self, i: i32, j: i32) -> bool {
         let from_diagonal = j - (i + self.diagonal);
-        i < self.seq_q && j < self.seq_kv && from_diagonal <= self.right && from_diagonal >= -self.left
+        i < self.seq_q
+            && j < self.seq_kv
+            && from_diagonal <= self.right
+            && from_diagonal >= -self.left
     }
 
     /// First key any query of `[q_begin, q_end)` sees.

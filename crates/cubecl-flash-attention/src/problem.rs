@@ -88,21 +88,27 @@ impl AttentionProblem {
             return Err(shape_err(
                 "key",
                 kshape,
-                format!("expected [{batch}, heads_kv, seq_kv, {dim_qk}] (batch and head dim of `query`)"),
+                format!(
+                    "expected [{batch}, heads_kv, seq_kv, {dim_qk}] (batch and head dim of `query`)"
+                ),
             ));
         }
         if heads_kv == 0 || heads_q % heads_kv != 0 {
             return Err(shape_err(
                 "key",
                 kshape,
-                format!("its {heads_kv} heads must divide the {heads_q} heads of `query` (GQA/MQA)"),
+                format!(
+                    "its {heads_kv} heads must divide the {heads_q} heads of `query` (GQA/MQA)"
+                ),
             ));
         }
         if [vb, vh, vs] != [batch, heads_kv, seq_kv] {
             return Err(shape_err(
                 "value",
                 [vb, vh, vs, dim_v],
-                format!("expected [{batch}, {heads_kv}, {seq_kv}, dim_v] (batch, heads and seq of `key`)"),
+                format!(
+                    "expected [{batch}, {heads_kv}, {seq_kv}, dim_v] (batch, heads and seq of `key`)"
+                ),
             ));
         }
         for (arg, shape, d) in [("query", q, dim_qk), ("value", v, dim_v)] {
@@ -189,16 +195,70 @@ pub(crate) mod tests {
         let o = AttentionOptions::default();
         let f = FloatDtype::F32;
         let msg = |r: Result<AttentionProblem, FlashError>| r.unwrap_err().to_string();
-        assert!(msg(AttentionProblem::new(&[1, 2, 3], &[1, 2, 3, 4], &[1, 2, 3, 4], f, o)).contains("`query` must have rank 4"));
-        assert!(msg(AttentionProblem::new(&[1, 2, 3, 4], &[1, 2, 3, 5], &[1, 2, 3, 4], f, o)).contains("`key`"));
-        assert!(msg(AttentionProblem::new(&[1, 3, 3, 4], &[1, 2, 3, 4], &[1, 2, 3, 4], f, o)).contains("GQA"));
-        assert!(msg(AttentionProblem::new(&[1, 2, 3, 4], &[1, 2, 3, 4], &[1, 2, 7, 4], f, o)).contains("`value`"));
-        assert!(msg(AttentionProblem::new(&[1, 2, 3, 300], &[1, 2, 3, 300], &[1, 2, 3, 4], f, o)).contains("head dim"));
+        assert!(
+            msg(AttentionProblem::new(
+                &[1, 2, 3],
+                &[1, 2, 3, 4],
+                &[1, 2, 3, 4],
+                f,
+                o
+            ))
+            .contains("`query` must have rank 4")
+        );
+        assert!(
+            msg(AttentionProblem::new(
+                &[1, 2, 3, 4],
+                &[1, 2, 3, 5],
+                &[1, 2, 3, 4],
+                f,
+                o
+            ))
+            .contains("`key`")
+        );
+        assert!(
+            msg(AttentionProblem::new(
+                &[1, 3, 3, 4],
+                &[1, 2, 3, 4],
+                &[1, 2, 3, 4],
+                f,
+                o
+            ))
+            .contains("GQA")
+        );
+        assert!(
+            msg(AttentionProblem::new(
+                &[1, 2, 3, 4],
+                &[1, 2, 3, 4],
+                &[1, 2, 7, 4],
+                f,
+                o
+            ))
+            .contains("`value`")
+        );
+        assert!(
+            msg(AttentionProblem::new(
+                &[1, 2, 3, 300],
+                &[1, 2, 3, 300],
+                &[1, 2, 3, 4],
+                f,
+                o
+            ))
+            .contains("head dim")
+        );
         let capped = AttentionOptions {
             softcap: Some(-1.0),
             ..o
         };
-        assert!(msg(AttentionProblem::new(&[1, 2, 3, 4], &[1, 2, 3, 4], &[1, 2, 3, 4], f, capped)).contains("`softcap`"));
+        assert!(
+            msg(AttentionProblem::new(
+                &[1, 2, 3, 4],
+                &[1, 2, 3, 4],
+                &[1, 2, 3, 4],
+                f,
+                capped
+            ))
+            .contains("`softcap`")
+        );
     }
 
     #[test]

@@ -163,10 +163,7 @@ fn head_scores(
                 ds *= 1.0 - t * t;
             }
             let masked = !options.mask.is_visible(i, j, seq_q, seq_kv)
-                || options
-                    .bool_mask
-                    .as_ref()
-                    .is_some_and(|m| m.at(b, h, i, j));
+                || options.bool_mask.as_ref().is_some_and(|m| m.at(b, h, i, j));
             if masked {
                 s = f64::NEG_INFINITY;
             } else {
@@ -319,12 +316,7 @@ pub fn backward(
             }
         }
     }
-    ReferenceBackward {
-        dq,
-        dk,
-        dv,
-        d_bias,
-    }
+    ReferenceBackward { dq, dk, dv, d_bias }
 }
 
 fn check_lengths(dims: &Dims, q: &[f64], k: &[f64], v: &[f64]) {
@@ -482,7 +474,14 @@ mod tests {
         }
         let g = randn(&mut rng, dims.o_len());
         let grads = backward(&dims, &options, &q, &k, &v, &g);
-        assert!(grads.dq.iter().chain(&grads.dk).chain(&grads.dv).all(|x| x.is_finite()));
+        assert!(
+            grads
+                .dq
+                .iter()
+                .chain(&grads.dk)
+                .chain(&grads.dv)
+                .all(|x| x.is_finite())
+        );
     }
 
     #[test]

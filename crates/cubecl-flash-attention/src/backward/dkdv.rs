@@ -74,7 +74,8 @@ pub fn flash_backward_dkdv<F: Float>(
         q_first = mask.query_begin(i32::cast_from(k_begin));
         q_last = mask.query_end(i32::cast_from(k_end));
     }
-    let num_blocks = (max(q_last - q_first, 0) + i32::cast_from(block_q) - 1) / i32::cast_from(block_q);
+    let num_blocks =
+        (max(q_last - q_first, 0) + i32::cast_from(block_q) - 1) / i32::cast_from(block_q);
     let key_i = i32::cast_from(key);
 
     for g in 0..group {
@@ -83,10 +84,44 @@ pub fn flash_backward_dkdv<F: Float>(
             let q0 = q_first + block * i32::cast_from(block_q);
             let q0_u = usize::cast_from(q0);
             sync_cube();
-            load_rows(q, batch, head_q, q0_u, &mut q_tile, block_q, dim_qk, config.block_rows);
-            load_rows(d_out, batch, head_q, q0_u, &mut do_tile, block_q, dim_v, config.block_rows);
-            load_vector(lse, batch, head_q, q0_u, &mut lse_tile, block_q, config.block_rows);
-            load_vector(delta, batch, head_q, q0_u, &mut delta_tile, block_q, config.block_rows);
+            load_rows(
+                q,
+                batch,
+                head_q,
+                q0_u,
+                &mut q_tile,
+                block_q,
+                dim_qk,
+                config.block_rows,
+            );
+            load_rows(
+                d_out,
+                batch,
+                head_q,
+                q0_u,
+                &mut do_tile,
+                block_q,
+                dim_v,
+                config.block_rows,
+            );
+            load_vector(
+                lse,
+                batch,
+                head_q,
+                q0_u,
+                &mut lse_tile,
+                block_q,
+                config.block_rows,
+            );
+            load_vector(
+                delta,
+                batch,
+                head_q,
+                q0_u,
+                &mut delta_tile,
+                block_q,
+                config.block_rows,
+            );
             sync_cube();
 
             let needs_mask = !mask.is_block_visible(
@@ -111,7 +146,8 @@ pub fn flash_backward_dkdv<F: Float>(
                         dv_acc[c] += p * g_o;
                         dp += g_o * v_row[c];
                     }
-                    let ds = p * (dp - delta_tile[i]) * score_grad(s, scale, softcap, config.softcap);
+                    let ds =
+                        p * (dp - delta_tile[i]) * score_grad(s, scale, softcap, config.softcap);
                     #[unroll(config.unroll)]
                     for c in 0..dim_qk {
                         dk_acc[c] += ds * q_tile[i * dim_qk + c];

@@ -42,12 +42,29 @@ pub fn flash_backward_dq<F: Float>(
     let row_c = min(row, seq_q - 1);
 
     let mut q_row = Array::<f32>::new(dim_qk);
-    read_row(q, head.batch, head.head_q, row_c, &mut q_row, dim_qk, config.unroll);
+    read_row(
+        q,
+        head.batch,
+        head.head_q,
+        row_c,
+        &mut q_row,
+        dim_qk,
+        config.unroll,
+    );
     let mut do_row = Array::<f32>::new(dim_v);
-    read_row(d_out, head.batch, head.head_q, row_c, &mut do_row, dim_v, config.unroll);
-    let row_lse = lse[head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row_c * lse.stride(2)];
-    let row_delta =
-        delta[head.batch * delta.stride(0) + head.head_q * delta.stride(1) + row_c * delta.stride(2)];
+    read_row(
+        d_out,
+        head.batch,
+        head.head_q,
+        row_c,
+        &mut do_row,
+        dim_v,
+        config.unroll,
+    );
+    let row_lse =
+        lse[head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row_c * lse.stride(2)];
+    let row_delta = delta
+        [head.batch * delta.stride(0) + head.head_q * delta.stride(1) + row_c * delta.stride(2)];
     let mut dq_acc = Array::<f32>::new(dim_qk);
     #[unroll(config.unroll)]
     for c in 0..dim_qk {
@@ -64,14 +81,33 @@ pub fn flash_backward_dq<F: Float>(
         k_begin = mask.key_begin(i32::cast_from(q_begin));
         k_end = mask.key_end(i32::cast_from(q_end));
     }
-    let num_blocks = (max(k_end - k_begin, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
+    let num_blocks =
+        (max(k_end - k_begin, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
     let row_i = i32::cast_from(row);
 
     for block in 0..num_blocks {
         let k0 = k_begin + block * i32::cast_from(block_k);
         sync_cube();
-        load_rows(k, head.batch, head.head_kv, usize::cast_from(k0), &mut k_tile, block_k, dim_qk, config.block_rows);
-        load_rows(v, head.batch, head.head_kv, usize::cast_from(k0), &mut v_tile, block_k, dim_v, config.block_rows);
+        load_rows(
+            k,
+            head.batch,
+            head.head_kv,
+            usize::cast_from(k0),
+            &mut k_tile,
+            block_k,
+            dim_qk,
+            config.block_rows,
+        );
+        load_rows(
+            v,
+            head.batch,
+            head.head_kv,
+            usize::cast_from(k0),
+            &mut v_tile,
+            block_k,
+            dim_v,
+            config.block_rows,
+        );
         sync_cube();
 
         let needs_mask = !mask.is_block_visible(

@@ -50,7 +50,13 @@ pub fn backward(
     options: AttentionOptions,
     path: KernelPath,
 ) -> Result<Gradients, FlashError> {
-    let problem = AttentionProblem::new(&saved.q.shape, &saved.k.shape, &saved.v.shape, dtype, options)?;
+    let problem = AttentionProblem::new(
+        &saved.q.shape,
+        &saved.k.shape,
+        &saved.v.shape,
+        dtype,
+        options,
+    )?;
     if problem.is_empty() || problem.seq_kv == 0 {
         // Nothing attends: every gradient is zero.
         return zero_gradients(client, &problem, dtype);

@@ -22,7 +22,8 @@ pub fn flash_backward_delta<F: Float>(
     let g = row_offset(d_out, batch, head, i);
     let mut sum = 0.0f32;
     for c in 0..dim_v {
-        sum += f32::cast_from(out[o + c * out.stride(3)]) * f32::cast_from(d_out[g + c * d_out.stride(3)]);
+        sum += f32::cast_from(out[o + c * out.stride(3)])
+            * f32::cast_from(d_out[g + c * d_out.stride(3)]);
     }
     let index = batch * delta.stride(0) + head * delta.stride(1) + i * delta.stride(2);
     delta[index] = sum;

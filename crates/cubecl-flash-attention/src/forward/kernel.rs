@@ -44,7 +44,15 @@ pub fn flash_forward<F: Float>(
     let row_valid = row < seq_q;
 
     let mut q_row = Array::<f32>::new(dim_qk);
-    read_row(q, head.batch, head.head_q, min(row, seq_q - 1), &mut q_row, dim_qk, config.unroll);
+    read_row(
+        q,
+        head.batch,
+        head.head_q,
+        min(row, seq_q - 1),
+        &mut q_row,
+        dim_qk,
+        config.unroll,
+    );
     let mut acc = Array::<f32>::new(dim_v);
     #[unroll(config.unroll)]
     for c in 0..dim_v {
@@ -63,7 +71,8 @@ pub fn flash_forward<F: Float>(
         k_begin = mask.key_begin(i32::cast_from(q_begin));
         k_end = mask.key_end(i32::cast_from(q_end));
     }
-    let num_blocks = (max(k_end - k_begin, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
+    let num_blocks =
+        (max(k_end - k_begin, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
     let row_i = i32::cast_from(row);
 
     for block in 0..num_blocks {
@@ -71,8 +80,26 @@ pub fn flash_forward<F: Float>(
         let k0_u = usize::cast_from(k0);
 
         sync_cube();
-        load_rows(k, head.batch, head.head_kv, k0_u, &mut k_tile, block_k, dim_qk, config.block_rows);
-        load_rows(v, head.batch, head.head_kv, k0_u, &mut v_tile, block_k, dim_v, config.block_rows);
+        load_rows(
+            k,
+            head.batch,
+            head.head_kv,
+            k0_u,
+            &mut k_tile,
+            block_k,
+            dim_qk,
+            config.block_rows,
+        );
+        load_rows(
+            v,
+            head.batch,
+            head.head_kv,
+            k0_u,
+            &mut v_tile,
+            block_k,
+            dim_v,
+            config.block_rows,
+        );
         sync_cube();
 
         // S = Q·Kᵀ · scale (softcapped), masked only in boundary blocks.
@@ -124,7 +151,8 @@ pub fn flash_forward<F: Float>(
         for c in 0..dim_v {
             out[base + c * col] = F::cast_from(acc[c] * inv);
         }
-        let lse_index = head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row * lse.stride(2);
+        let lse_index =
+            head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row * lse.stride(2);
         lse[lse_index] = state.lse(neg_inf);
     }
 }
