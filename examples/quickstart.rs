@@ -12,44 +12,69 @@ use burn_flash_attention::kernels::reference::{self, Dims, ReferenceOptions};
 use burn_flash_attention::{FlashAttentionOptions, flash_attention, supports_flash_attention};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
-/// Whether a device can be opened (allocating one value on it).
-fn usable(device: &Device) -> bool {
-    std::panic::catch_unwind(|| {
-        let t = Tensor::<1>::zeros([1], device);
-        t.into_data();
-    })
-    .is_ok()
+/// Whether the CubeCL runtime can open `device` (asked of CubeCL directly: a failed Burn
+/// allocation on one device would leave Burn's fusion server unusable for the next).
+fn usable(device: cubecl::Device) -> Option<cubecl::client::Client> {
+    let result = std::panic::catch_unwind(|| device.client());
+    if let Err(e) = &result
+        && std::env::var_os("QUICKSTART_VERBOSE").is_some()
+    {
+        let msg = e
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
+        eprintln!("unusable: {}", msg.unwrap_or_default());
+    }
+    result.ok()
 }
 
-fn best_device() -> (Device, &'static str) {
+/// The device to run on, its name, and whether it is a GPU (has plane operations; CPU
+/// Vulkan drivers such as lavapipe have none).
+fn best_device() -> (Device, String, bool) {
     // Quiet the panic messages of devices that are absent.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
-    let mut candidates: Vec<(Device, &'static str)> = Vec::new();
+    let mut candidates: Vec<(cubecl::Device, Device, &'static str)> = Vec::new();
     #[cfg(feature = "cuda")]
-    candidates.push((Device::cuda(0), "CUDA"));
+    candidates.push((
+        cubecl::Device::Cuda(cubecl::cuda::CudaDevice { index: 0 }),
+        Device::cuda(0),
+        "CUDA",
+    ));
     #[cfg(feature = "rocm")]
-    candidates.push((Device::rocm(0), "ROCm"));
+    candidates.push((
+        cubecl::Device::Hip(cubecl::hip::AmdDevice { index: 0 }),
+        Device::rocm(0),
+        "ROCm",
+    ));
     #[cfg(feature = "wgpu")]
     {
+        use cubecl::wgpu::{WgpuDevice, WgpuDeviceKind};
         if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
             // SAFETY: no other thread runs yet.
             unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
         }
+        // wgpu's default device is the best GPU adapter; it never picks a CPU adapter.
         candidates.push((
-            Device::wgpu(burn::tensor::DeviceKind::DiscreteGpu(0)),
-            "wgpu discrete GPU",
+            cubecl::Device::Wgpu(WgpuDevice::new(WgpuDeviceKind::DefaultDevice)),
+            Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+            "wgpu",
         ));
         candidates.push((
-            Device::wgpu(burn::tensor::DeviceKind::IntegratedGpu(0)),
-            "wgpu integrated GPU",
-        ));
-        candidates.push((
+            cubecl::Device::Wgpu(WgpuDevice::new(WgpuDeviceKind::Cpu)),
             Device::wgpu(burn::tensor::DeviceKind::Cpu),
-            "wgpu CPU adapter (lavapipe)",
+            "wgpu CPU adapter",
         ));
     }
-    let found = candidates.into_iter().find(|(d, _)| usable(d));
+    let found = candidates.into_iter().find_map(|(cube, device, runtime)| {
+        let client = usable(cube)?;
+        let props = client.properties();
+        let gpu = props
+            .features
+            .plane
+            .contains(cubecl::ir::features::Plane::Ops);
+        Some((device, format!("{runtime}: {}", client.name()), gpu))
+    });
     std::panic::set_hook(hook);
     found.unwrap_or_else(|| {
         println!(
@@ -57,7 +82,7 @@ fn best_device() -> (Device, &'static str) {
              fallback, not the kernels). For the kernels on this CPU: `apt-get install mesa-vulkan-drivers`; \
              on an NVIDIA GPU: `cargo run --release --features cuda --example quickstart`."
         );
-        (Device::flex(), "Flex (fallback)")
+        (Device::flex(), "Flex (fallback)".to_string(), false)
     })
 }
 
@@ -67,11 +92,7 @@ fn tensor(data: &[f64], shape: [usize; 4], device: &Device, dtype: FloatDType) -
 }
 
 fn main() {
-    let (device, name) = best_device();
-    let gpu = matches!(
-        name,
-        "CUDA" | "ROCm" | "wgpu discrete GPU" | "wgpu integrated GPU"
-    );
+    let (device, name, gpu) = best_device();
     let dtype = if gpu && device.supports_dtype(FloatDType::BF16) {
         FloatDType::BF16
     } else {
@@ -175,9 +196,14 @@ fn main() {
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     let flops = 4.0 * (b * h * s * s * d) as f64;
+    let rate = flops / median;
+    let rate = if rate >= 1e12 {
+        format!("{:.1} TFLOP/s", rate / 1e12)
+    } else {
+        format!("{:.2} GFLOP/s", rate / 1e9)
+    };
     println!(
-        "forward b={b} h={h} s={s} d={d}: {:.3} ms, {:.2} TFLOP/s",
-        median * 1e3,
-        flops / median / 1e12
+        "forward b={b} h={h} s={s} d={d}: {:.3} ms, {rate}",
+        median * 1e3
     );
 }
