@@ -162,7 +162,7 @@ fn main() {
     println!("causal GQA 8/2, s=300, d=64: max |error| vs f64 reference = {err:.2e}");
 
     // Throughput of the forward pass.
-    let (b, h, s, d) = if gpu {
+    let (b, h, s, d): (usize, usize, usize, usize) = if gpu {
         (4, 16, 2048, 128)
     } else {
         (1, 4, 512, 64)
