@@ -17,16 +17,7 @@ pub(crate) fn attention(
     let [batch, heads_q, seq_q, dim_qk] = q.dims();
     let [_, heads_kv, seq_kv, _] = k.dims();
     let group = heads_q / heads_kv;
-    let repeat_heads = |t: Tensor<4>| {
-        if group == 1 {
-            return t;
-        }
-        let [b, h, s, d] = t.dims();
-        t.unsqueeze_dim::<5>(2)
-            .expand([b, h, group, s, d])
-            .reshape([b, h * group, s, d])
-    };
-    let (k, v) = (repeat_heads(k), repeat_heads(v));
+    let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
     let scale = options
         .scale
         .unwrap_or_else(|| 1.0 / (dim_qk as f32).sqrt());
@@ -35,17 +26,8 @@ pub(crate) fn attention(
     if let Some(cap) = options.softcap {
         scores = scores.div_scalar(cap).tanh().mul_scalar(cap);
     }
-    let mask = options.mask();
-    if mask.is_masked() {
-        let hidden: Vec<bool> = (0..seq_q * seq_kv)
-            .map(|n| !mask.is_visible(n / seq_kv, n % seq_kv, seq_q, seq_kv))
-            .collect();
-        let hidden = Tensor::<2, Bool>::from_data(
-            TensorData::new(hidden, [seq_q, seq_kv]),
-            &scores.device(),
-        )
-        .unsqueeze::<4>()
-        .expand([batch, heads_q, seq_q, seq_kv]);
+    if options.mask().is_masked() {
+        let hidden = hidden_keys(options, [batch, heads_q, seq_q, seq_kv], &scores.device());
         scores = scores.mask_fill(hidden, f32::NEG_INFINITY);
     }
     // Softmax with its LSE. A fully masked row has max −∞, clamped (to a value every float
@@ -75,20 +57,7 @@ pub(crate) fn attention_with_padding(
     let [batch, heads_q, seq_q, _] = q.dims();
     let [_, heads_kv, seq_kv, _] = k.dims();
     let group = heads_q / heads_kv;
-    let repeat_heads = |t: Tensor<4>| {
-        let [b, h, s, d] = t.dims();
-        t.unsqueeze_dim::<5>(2)
-            .expand([b, h, group, s, d])
-            .reshape([b, h * group, s, d])
-    };
-    let device = q.device();
-    let mask = options.mask();
-    let hidden: Vec<bool> = (0..seq_q * seq_kv)
-        .map(|n| !mask.is_visible(n / seq_kv, n % seq_kv, seq_q, seq_kv))
-        .collect();
-    let hidden = Tensor::<2, Bool>::from_data(TensorData::new(hidden, [seq_q, seq_kv]), &device)
-        .unsqueeze::<4>()
-        .expand([batch, heads_q, seq_q, seq_kv]);
+    let hidden = hidden_keys(options, [batch, heads_q, seq_q, seq_kv], &q.device());
     let padded = mask_pad
         .reshape([batch, 1, 1, seq_kv])
         .expand([batch, heads_q, seq_q, seq_kv]);
@@ -99,10 +68,38 @@ pub(crate) fn attention_with_padding(
     };
     burn_attention(
         q,
-        repeat_heads(k),
-        repeat_heads(v),
+        repeat_heads(k, group),
+        repeat_heads(v, group),
         Some(hidden.bool_or(padded)),
         None,
         options,
     )
+}
+
+/// K or V with each head repeated for the `group` query heads that read it.
+fn repeat_heads(t: Tensor<4>, group: usize) -> Tensor<4> {
+    if group == 1 {
+        return t;
+    }
+    let [b, h, s, d] = t.dims();
+    t.unsqueeze_dim::<5>(2)
+        .expand([b, h, group, s, d])
+        .reshape([b, h * group, s, d])
+}
+
+/// `true` where the causal / window mask of `options` hides a key, broadcast to `shape`
+/// `[batch, heads, s_q, s_kv]`.
+fn hidden_keys(
+    options: &FlashAttentionOptions,
+    shape: [usize; 4],
+    device: &burn::tensor::Device,
+) -> Tensor<4, Bool> {
+    let [_, _, seq_q, seq_kv] = shape;
+    let mask = options.mask();
+    let hidden: Vec<bool> = (0..seq_q * seq_kv)
+        .map(|n| !mask.is_visible(n / seq_kv, n % seq_kv, seq_q, seq_kv))
+        .collect();
+    Tensor::<2, Bool>::from_data(TensorData::new(hidden, [seq_q, seq_kv]), device)
+        .unsqueeze::<4>()
+        .expand(shape)
 }

@@ -9,6 +9,7 @@ use cubecl_flash_attention::{
     forward::forward,
 };
 
+use crate::attention::kernel_dtype;
 use crate::ops::FlashAttentionOps;
 use crate::options::FlashAttentionOptions;
 
@@ -37,13 +38,9 @@ fn cube_tensor(like: &CubeTensor, t: DeviceTensor, dtype: DType) -> CubeTensor {
 }
 
 /// The kernels' dtype; the public API has already rejected anything else.
-pub(crate) fn float_dtype(dtype: DType) -> FloatDtype {
-    match dtype {
-        DType::F32 => FloatDtype::F32,
-        DType::F16 => FloatDtype::F16,
-        DType::BF16 => FloatDtype::BF16,
-        other => panic!("flash attention takes f32, f16 or bf16 tensors, got {other:?}"),
-    }
+fn float_dtype(dtype: DType) -> FloatDtype {
+    kernel_dtype(dtype)
+        .unwrap_or_else(|| panic!("flash attention takes f32, f16 or bf16 tensors, got {dtype:?}"))
 }
 
 impl FlashAttentionOps for CubeBackend {
