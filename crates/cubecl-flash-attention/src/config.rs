@@ -67,9 +67,8 @@ pub struct TileConfig {
 const MAX_UNROLLED_DIM: usize = 128;
 /// Largest head dim whose loops are unrolled on devices without plane operations (CPU
 /// Vulkan drivers): lavapipe (Mesa 22.3) takes minutes to compile unrolled loops over
-/// larger rows, and miscompiles some of the rolled loops over smaller ones (see
-/// docs/status.md), so up to this size the loops are unrolled there too.
-const MAX_UNROLLED_DIM_CPU: usize = 96;
+/// larger rows (seconds up to 64), and miscompiles some rolled loops (see docs/status.md).
+const MAX_UNROLLED_DIM_CPU: usize = 64;
 
 /// Rows of the cube's own operand: one unit each, a whole number of planes where possible.
 const ROWS_PER_CUBE: usize = 64;
@@ -154,7 +153,7 @@ mod tests {
                     "{limits:?} d={d}"
                 );
                 assert!(t.block_rows <= limits.max_units_per_cube);
-                let unrolled_up_to = if limits.plane_ops { 128 } else { 96 };
+                let unrolled_up_to = if limits.plane_ops { 128 } else { 64 };
                 assert_eq!(t.unroll, d <= unrolled_up_to, "{limits:?} d={d}");
             }
         }
