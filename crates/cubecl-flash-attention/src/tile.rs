@@ -104,3 +104,41 @@ pub fn load_vector(
         }
     }
 }
+
+/// `Σ_c row[c] · tile[offset + c]`: a row held in registers against a row staged in shared
+/// memory.
+#[cube]
+pub fn dot_staged(
+    row: &Array<f32>,
+    tile: &Shared<[f32]>,
+    offset: usize,
+    #[comptime] dim: usize,
+    #[comptime] unroll: bool,
+) -> f32 {
+    let mut dot = 0.0f32;
+    #[unroll(unroll)]
+    for c in 0..dim {
+        dot += row[c] * tile[offset + c];
+    }
+    dot
+}
+
+/// Stages the key and value rows `[first, first + rows)` of head `head`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn load_key_value_block<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    batch: usize,
+    head: usize,
+    first: usize,
+    k_tile: &mut Shared<[f32]>,
+    v_tile: &mut Shared<[f32]>,
+    #[comptime] rows: usize,
+    #[comptime] dim_qk: usize,
+    #[comptime] dim_v: usize,
+    #[comptime] units: usize,
+) {
+    load_rows(k, batch, head, first, k_tile, rows, dim_qk, units);
+    load_rows(v, batch, head, first, v_tile, rows, dim_v, units);
+}

@@ -11,7 +11,7 @@ use cubecl::prelude::*;
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
-use crate::tile::{load_rows, load_vector, read_row};
+use crate::tile::{dot_staged, load_rows, load_vector, read_row};
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -132,11 +132,7 @@ pub fn flash_backward_dkdv<F: Float>(
             );
             for i in 0..block_q {
                 if !needs_mask || mask.is_visible(q0 + i32::cast_from(i), key_i) {
-                    let mut dot = 0.0f32;
-                    #[unroll(config.unroll)]
-                    for c in 0..dim_qk {
-                        dot += q_tile[i * dim_qk + c] * k_row[c];
-                    }
+                    let dot = dot_staged(&k_row, &q_tile, i * dim_qk, dim_qk, config.unroll);
                     let s = score(dot, scale, softcap, config.softcap);
                     let p = (s - lse_tile[i]).exp();
                     let mut dp = 0.0f32;

@@ -9,7 +9,7 @@ use cubecl::prelude::*;
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
-use crate::tile::{Head, load_rows, read_row};
+use crate::tile::{Head, dot_staged, load_key_value_block, read_row};
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -88,23 +88,16 @@ pub fn flash_backward_dq<F: Float>(
     for block in 0..num_blocks {
         let k0 = k_begin + block * i32::cast_from(block_k);
         sync_cube();
-        load_rows(
+        load_key_value_block(
             k,
-            head.batch,
-            head.head_kv,
-            usize::cast_from(k0),
-            &mut k_tile,
-            block_k,
-            dim_qk,
-            config.block_rows,
-        );
-        load_rows(
             v,
             head.batch,
             head.head_kv,
             usize::cast_from(k0),
+            &mut k_tile,
             &mut v_tile,
             block_k,
+            dim_qk,
             dim_v,
             config.block_rows,
         );
@@ -118,18 +111,10 @@ pub fn flash_backward_dq<F: Float>(
         );
         for j in 0..block_k {
             if !needs_mask || mask.is_visible(row_i, k0 + i32::cast_from(j)) {
-                let mut dot = 0.0f32;
-                #[unroll(config.unroll)]
-                for c in 0..dim_qk {
-                    dot += q_row[c] * k_tile[j * dim_qk + c];
-                }
+                let dot = dot_staged(&q_row, &k_tile, j * dim_qk, dim_qk, config.unroll);
                 let s = score(dot, scale, softcap, config.softcap);
                 let p = (s - row_lse).exp();
-                let mut dp = 0.0f32;
-                #[unroll(config.unroll)]
-                for c in 0..dim_v {
-                    dp += do_row[c] * v_tile[j * dim_v + c];
-                }
+                let dp = dot_staged(&do_row, &v_tile, j * dim_v, dim_v, config.unroll);
                 let ds = p * (dp - row_delta) * score_grad(s, scale, softcap, config.softcap);
                 #[unroll(config.unroll)]
                 for c in 0..dim_qk {

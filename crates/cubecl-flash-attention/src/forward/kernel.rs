@@ -12,7 +12,7 @@ use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability};
-use crate::tile::{Head, load_rows, read_row};
+use crate::tile::{Head, dot_staged, load_key_value_block, read_row};
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -80,23 +80,16 @@ pub fn flash_forward<F: Float>(
         let k0_u = usize::cast_from(k0);
 
         sync_cube();
-        load_rows(
+        load_key_value_block(
             k,
-            head.batch,
-            head.head_kv,
-            k0_u,
-            &mut k_tile,
-            block_k,
-            dim_qk,
-            config.block_rows,
-        );
-        load_rows(
             v,
             head.batch,
             head.head_kv,
             k0_u,
+            &mut k_tile,
             &mut v_tile,
             block_k,
+            dim_qk,
             dim_v,
             config.block_rows,
         );
@@ -111,11 +104,7 @@ pub fn flash_forward<F: Float>(
         );
         let mut block_max = f32::new(MASKED);
         for j in 0..block_k {
-            let mut dot = 0.0f32;
-            #[unroll(config.unroll)]
-            for c in 0..dim_qk {
-                dot += q_row[c] * k_tile[j * dim_qk + c];
-            }
+            let dot = dot_staged(&q_row, &k_tile, j * dim_qk, dim_qk, config.unroll);
             let mut s = score(dot, scale, softcap, config.softcap);
             if needs_mask && !mask.is_visible(row_i, k0 + i32::cast_from(j)) {
                 s = f32::new(MASKED);
