@@ -40,10 +40,10 @@ fn shapes(case: &Case) -> ([usize; 4], [usize; 4], [usize; 4], [usize; 4]) {
 
 /// Runs forward and backward on the device (outputs poisoned with NaN first) and checks
 /// everything against the oracle.
-fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool) {
+fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool, path: KernelPath) {
     let (seed, mut rng) = common::rng();
     let context = format!(
-        "seed {seed} (FLASH_SEED={seed} reproduces), {dtype:?}, strided={strided}, {case:?}"
+        "seed {seed} (FLASH_SEED={seed} reproduces), {path:?}, {dtype:?}, strided={strided}, {case:?}"
     );
     let start = std::time::Instant::now();
     let x = inputs(case, dtype, &mut rng);
@@ -58,18 +58,8 @@ fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool) {
 
     let out = poisoned(client, &os, dtype);
     let lse = poisoned(client, &os[..3], FloatDtype::F32);
-    forward_into(
-        client,
-        &q,
-        &k,
-        &v,
-        &out,
-        &lse,
-        dtype,
-        case.options(),
-        KernelPath::Auto,
-    )
-    .unwrap_or_else(|e| panic!("forward: {e} — {context}"));
+    forward_into(client, &q, &k, &v, &out, &lse, dtype, case.options(), path)
+        .unwrap_or_else(|e| panic!("forward: {e} — {context}"));
 
     let grads = Gradients {
         dq: poisoned(client, &qs, dtype),
@@ -83,16 +73,8 @@ fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool) {
         out: &out,
         lse: &lse,
     };
-    backward_into(
-        client,
-        saved,
-        &d_out,
-        &grads,
-        dtype,
-        case.options(),
-        KernelPath::Auto,
-    )
-    .unwrap_or_else(|e| panic!("backward: {e} — {context}"));
+    backward_into(client, saved, &d_out, &grads, dtype, case.options(), path)
+        .unwrap_or_else(|e| panic!("backward: {e} — {context}"));
 
     client
         .read_one(grads.dq.handle.clone())
@@ -144,7 +126,7 @@ fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool) {
     );
 
     eprintln!(
-        "{dtype:?} {:?} causal={} window={:?} softcap={:?} strided={strided}: device {:.2?}, total {:.2?}",
+        "{path:?} {dtype:?} {:?} causal={} window={:?} softcap={:?} strided={strided}: device {:.2?}, total {:.2?}",
         case.dims,
         case.causal,
         case.window,
@@ -183,7 +165,9 @@ fn forward_and_backward_match_the_oracle() {
             if !case.runs_on_this_device() {
                 continue;
             }
-            check_case(&client, &case, dtype, false);
+            for path in common::paths(&client, dtype) {
+                check_case(&client, &case, dtype, false, path);
+            }
         }
     }
 }
@@ -195,25 +179,45 @@ fn strided_bshd_inputs_are_read_in_place() {
         .iter()
         .filter(|c| !c.is_long() && c.runs_on_this_device())
     {
-        check_case(&client, case, FloatDtype::F32, true);
+        check_case(&client, case, FloatDtype::F32, true, KernelPath::Portable);
+        // The tensor-core path reads strided half-precision inputs the same way.
+        if common::paths(&client, FloatDtype::BF16).contains(&KernelPath::TensorCore) {
+            check_case(
+                &client,
+                case,
+                FloatDtype::BF16,
+                true,
+                KernelPath::TensorCore,
+            );
+        }
     }
 }
 
 #[test]
 fn backward_is_bitwise_deterministic() {
     let client = common::client();
+    for dtype in common::dtypes(&client) {
+        if common::is_cpu_device() && dtype != FloatDtype::F32 {
+            continue; // half precision is slow on lavapipe; covered on GPUs
+        }
+        for path in common::paths(&client, dtype) {
+            check_deterministic(&client, dtype, path);
+        }
+    }
+}
+
+fn check_deterministic(client: &Client, dtype: FloatDtype, path: KernelPath) {
     let case = common::catalogue()[8]; // GQA 8/2, causal window, d_v ≠ d_qk
     let (seed, mut rng) = common::rng();
-    let dtype = FloatDtype::F32;
     let x = inputs(&case, dtype, &mut rng);
     let (qs, ks, vs, os) = shapes(&case);
     let (q, k, v) = (
-        upload(&client, &x.q, &qs, dtype),
-        upload(&client, &x.k, &ks, dtype),
-        upload(&client, &x.v, &vs, dtype),
+        upload(client, &x.q, &qs, dtype),
+        upload(client, &x.k, &ks, dtype),
+        upload(client, &x.v, &vs, dtype),
     );
-    let d_out = upload(&client, &x.d_out, &os, dtype);
-    let fwd = forward(&client, &q, &k, &v, dtype, case.options(), KernelPath::Auto).unwrap();
+    let d_out = upload(client, &x.d_out, &os, dtype);
+    let fwd = forward(client, &q, &k, &v, dtype, case.options(), path).unwrap();
     let saved = Saved {
         q: &q,
         k: &k,
@@ -222,20 +226,12 @@ fn backward_is_bitwise_deterministic() {
         lse: &fwd.lse,
     };
     let run = || {
-        let g = backward(
-            &client,
-            saved,
-            &d_out,
-            dtype,
-            case.options(),
-            KernelPath::Auto,
-        )
-        .unwrap();
+        let g = backward(client, saved, &d_out, dtype, case.options(), path).unwrap();
         [g.dq, g.dk, g.dv].map(|t: DeviceTensor| client.read_one(t.handle).unwrap().to_vec())
     };
     assert!(
         run() == run(),
-        "two backward runs differ bitwise (seed {seed})"
+        "two backward runs differ bitwise ({path:?}, {dtype:?}, seed {seed})"
     );
 }
 
@@ -296,4 +292,32 @@ fn bad_shapes_are_errors_not_launches() {
         matches!(err, FlashError::Rank { arg: "query", .. }),
         "{err}"
     );
+}
+
+#[test]
+fn a_missing_tensor_core_path_is_an_error() {
+    let client = common::client();
+    let case = common::catalogue()[2];
+    let (qs, ks, vs, _) = shapes(&case);
+    for dtype in common::dtypes(&client) {
+        if common::paths(&client, dtype).contains(&KernelPath::TensorCore) {
+            continue;
+        }
+        let t = |s: &[usize]| DeviceTensor::empty(&client, s, dtype.size());
+        let err = forward(
+            &client,
+            &t(&qs),
+            &t(&ks),
+            &t(&vs),
+            dtype,
+            case.options(),
+            KernelPath::TensorCore,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, FlashError::Unavailable(_)),
+            "{dtype:?}: {err}"
+        );
+        assert!(err.to_string().contains("cmma"), "{err}");
+    }
 }

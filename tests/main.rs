@@ -7,3 +7,5 @@ mod common;
 mod kernels;
 mod op;
 mod oracle;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod sources;

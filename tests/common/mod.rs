@@ -3,7 +3,9 @@
 
 pub mod naive;
 
-use burn_flash_attention::kernels::{DeviceTensor, FloatDtype, reference::Dims};
+use burn_flash_attention::kernels::{
+    DeviceLimits, DeviceTensor, FloatDtype, KernelPath, reference::Dims,
+};
 use cubecl::prelude::*;
 use rand::{SeedableRng, rngs::StdRng};
 use rand_distr::{Distribution, StandardNormal};
@@ -93,6 +95,22 @@ pub fn dtypes(client: &cubecl::client::Client) -> Vec<FloatDtype> {
         .into_iter()
         .filter(|d| client.properties().supports_type(d.elem_type()))
         .collect()
+}
+
+/// The kernel paths the device runs `dtype` on: portable everywhere, tensor cores where the
+/// device has them. `FLASH_PATH=portable|tensor-core` keeps one.
+pub fn paths(client: &cubecl::client::Client, dtype: FloatDtype) -> Vec<KernelPath> {
+    let limits = DeviceLimits::from_properties(client.properties());
+    let mut paths = vec![KernelPath::Portable];
+    if limits.has_tensor_cores(dtype) {
+        paths.push(KernelPath::TensorCore);
+    }
+    match std::env::var("FLASH_PATH").as_deref() {
+        Ok("portable") => paths.retain(|p| *p == KernelPath::Portable),
+        Ok("tensor-core") => paths.retain(|p| *p == KernelPath::TensorCore),
+        _ => {}
+    }
+    paths
 }
 
 /// A seeded generator: `FLASH_SEED` if set, else a fresh seed. Failures print it.

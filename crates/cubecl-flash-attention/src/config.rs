@@ -12,6 +12,9 @@ pub enum KernelPath {
     /// Register and shared-memory tiles, one query (or key) row per unit. Needs no
     /// tensor cores and no plane operations: runs on every CubeCL runtime, lavapipe included.
     Portable,
+    /// Tensor cores through CubeCL's `cmma` (16×16×16 f16/bf16 fragments, f32 accumulation;
+    /// wmma on CUDA, rocWMMA on HIP). Score tiles pass through shared memory for the softmax.
+    TensorCore,
 }
 
 /// What the tile heuristic needs to know about a device.
@@ -27,6 +30,9 @@ pub struct DeviceLimits {
     /// register file, where unrolled head-dim loops keep per-row arrays in registers; CPU
     /// Vulkan drivers (lavapipe) have none, and take minutes to compile such unrolled loops.
     pub plane_ops: bool,
+    /// 16×16×16 `cmma` fragments with f32 accumulation, for f16 and for bf16 inputs.
+    pub cmma_f16: bool,
+    pub cmma_bf16: bool,
 }
 
 impl DeviceLimits {
@@ -40,8 +46,32 @@ impl DeviceLimits {
                 .features
                 .plane
                 .contains(cubecl::ir::features::Plane::Ops),
+            cmma_f16: has_cmma(props, FloatDtype::F16),
+            cmma_bf16: has_cmma(props, FloatDtype::BF16),
         }
     }
+
+    /// Whether the tensor-core path can run `dtype` on this device.
+    pub fn has_tensor_cores(&self, dtype: FloatDtype) -> bool {
+        // Plane operations reduce the softmax rows held by several units.
+        self.plane_ops
+            && match dtype {
+                FloatDtype::F16 => self.cmma_f16,
+                FloatDtype::BF16 => self.cmma_bf16,
+                FloatDtype::F32 => false,
+            }
+    }
+}
+
+fn has_cmma(props: &cubecl::prelude::DeviceProperties, dtype: FloatDtype) -> bool {
+    let elem = dtype.elem_type();
+    let acc = FloatDtype::F32.elem_type();
+    props.features.matmul.cmma.iter().any(|c| {
+        c.a_type == elem
+            && c.b_type == elem
+            && c.cd_type == acc
+            && (c.m, c.n, c.k) == (FRAGMENT as u32, FRAGMENT as u32, FRAGMENT as u32)
+    })
 }
 
 /// The compile-time configuration of one portable kernel variant.
@@ -109,10 +139,125 @@ pub fn choose_portable_tiles(
     })
 }
 
-/// Resolves `Auto` to the path the device and problem allow.
-pub fn choose_path(requested: KernelPath, _dtype: FloatDtype) -> Result<KernelPath, FlashError> {
+/// Side of the square `cmma` fragments (m = n = k).
+pub const FRAGMENT: usize = 16;
+
+/// The compile-time configuration of one tensor-core kernel variant.
+///
+/// The cube's `planes` planes each own 16 rows of the cube's operand (query rows in the
+/// forward); the streamed operand comes `block_stream` rows at a time. Head dims are padded
+/// to a multiple of 16 in shared memory (the padding reads as zero).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MmaConfig {
+    pub planes: usize,
+    pub plane_size: usize,
+    pub block_stream: usize,
+    pub dim_qk: usize,
+    pub dim_v: usize,
+    pub masked: bool,
+    pub softcap: bool,
+}
+
+impl MmaConfig {
+    /// Rows of the cube's own operand.
+    pub fn block_rows(&self) -> usize {
+        self.planes * FRAGMENT
+    }
+    pub fn units(&self) -> usize {
+        self.planes * self.plane_size
+    }
+    pub fn dim_qk_padded(&self) -> usize {
+        self.dim_qk.next_multiple_of(FRAGMENT)
+    }
+    pub fn dim_v_padded(&self) -> usize {
+        self.dim_v.next_multiple_of(FRAGMENT)
+    }
+    /// Units sharing one row of a plane's 16-row tile.
+    pub fn units_per_row(&self) -> usize {
+        self.plane_size / FRAGMENT
+    }
+    /// Row stride of a staged half-precision operand with `dim` padded columns: 8 more
+    /// elements (16 bytes) than the row, against shared-memory bank conflicts.
+    pub fn half_stride(dim: usize) -> usize {
+        dim + 8
+    }
+    /// Row stride of an f32 tile of `cols` columns (4 more, for the same reason).
+    pub fn f32_stride(cols: usize) -> usize {
+        cols + 4
+    }
+}
+
+/// Most planes per cube of the tensor-core path.
+const MMA_PLANES: usize = 4;
+/// Most streamed rows per step of the tensor-core path.
+const MMA_STREAM_ROWS: usize = 64;
+
+/// Picks the tensor-core tiles: the largest cube and streamed block whose shared memory,
+/// as `shared_bytes` computes it for a candidate, fits the device.
+pub fn choose_mma_tiles(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+    shared_bytes: impl Fn(&MmaConfig, usize) -> usize,
+) -> Result<MmaConfig, FlashError> {
+    if !limits.has_tensor_cores(problem.dtype) {
+        return Err(FlashError::Unavailable(format!(
+            "the tensor-core path needs 16×16×16 {:?} cmma fragments with f32 accumulation and plane operations",
+            problem.dtype
+        )));
+    }
+    if limits.plane_size % FRAGMENT != 0 {
+        return Err(FlashError::Unavailable(format!(
+            "the tensor-core path needs a plane size that is a multiple of {FRAGMENT}, the device has {}",
+            limits.plane_size
+        )));
+    }
+    let elem = problem.dtype.size();
+    let mut planes = MMA_PLANES.min(limits.max_units_per_cube / limits.plane_size);
+    while planes >= 1 {
+        let mut block_stream = MMA_STREAM_ROWS;
+        while block_stream >= FRAGMENT {
+            let config = MmaConfig {
+                planes,
+                plane_size: limits.plane_size,
+                block_stream,
+                dim_qk: problem.dim_qk,
+                dim_v: problem.dim_v,
+                masked: problem.options.mask.is_masked(),
+                softcap: problem.options.softcap.is_some(),
+            };
+            if shared_bytes(&config, elem) <= limits.max_shared_memory {
+                return Ok(config);
+            }
+            block_stream /= 2;
+        }
+        planes /= 2;
+    }
+    Err(FlashError::InvalidConfig(format!(
+        "head dims {}/{} do not fit the device's {} bytes of shared memory on the tensor-core path",
+        problem.dim_qk, problem.dim_v, limits.max_shared_memory
+    )))
+}
+
+/// Resolves `Auto` to the fastest path the device has for `dtype`; a requested path the
+/// device lacks is an error.
+pub fn choose_path(
+    requested: KernelPath,
+    dtype: FloatDtype,
+    limits: &DeviceLimits,
+) -> Result<KernelPath, FlashError> {
     match requested {
+        KernelPath::Auto if limits.has_tensor_cores(dtype) => Ok(KernelPath::TensorCore),
         KernelPath::Auto | KernelPath::Portable => Ok(KernelPath::Portable),
+        KernelPath::TensorCore if limits.has_tensor_cores(dtype) => Ok(KernelPath::TensorCore),
+        KernelPath::TensorCore => Err(FlashError::Unavailable(format!(
+            "the tensor-core path needs 16×16×16 {dtype:?} cmma fragments with f32 accumulation \
+             and plane operations; this device has {}",
+            if limits.plane_ops {
+                "no such fragments"
+            } else {
+                "no plane operations"
+            }
+        ))),
     }
 }
 
@@ -126,18 +271,24 @@ mod tests {
         max_units_per_cube: 1024,
         plane_size: 32,
         plane_ops: true,
+        cmma_f16: true,
+        cmma_bf16: true,
     };
     const AMD: DeviceLimits = DeviceLimits {
         max_shared_memory: 65_536,
         max_units_per_cube: 1024,
         plane_size: 64,
         plane_ops: true,
+        cmma_f16: true,
+        cmma_bf16: true,
     };
     const WEBGPU: DeviceLimits = DeviceLimits {
         max_shared_memory: 16_384,
         max_units_per_cube: 256,
         plane_size: 1,
         plane_ops: false,
+        cmma_f16: false,
+        cmma_bf16: false,
     };
 
     #[test]

@@ -14,10 +14,13 @@ pub mod error;
 pub mod forward;
 pub mod launch;
 pub mod mask;
+pub mod mma;
 pub mod problem;
 pub mod reference;
 pub mod score;
 pub mod softmax;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod sources;
 pub mod tile;
 
 pub use config::{DeviceLimits, KernelPath, TileConfig};

@@ -55,3 +55,26 @@ impl RunningState {
 pub fn probability(score: f32, m: f32) -> f32 {
     select(score == f32::new(MASKED), f32::new(0.0), (score - m).exp())
 }
+
+/// Maximum over the `per_row` neighbouring units of a plane that share a row (a power of
+/// two; units `i` and `i ^ offset` meet through plane shuffles).
+#[cube]
+pub fn row_reduce_max(value: f32, #[comptime] per_row: usize) -> f32 {
+    let mut v = value;
+    #[unroll]
+    for i in 0..comptime!(per_row.trailing_zeros() as usize) {
+        v = max(v, plane_shuffle_xor(v, 1u32 << u32::cast_from(i)));
+    }
+    v
+}
+
+/// Sum over the `per_row` neighbouring units of a plane that share a row.
+#[cube]
+pub fn row_reduce_sum(value: f32, #[comptime] per_row: usize) -> f32 {
+    let mut v = value;
+    #[unroll]
+    for i in 0..comptime!(per_row.trailing_zeros() as usize) {
+        v += plane_shuffle_xor(v, 1u32 << u32::cast_from(i));
+    }
+    v
+}

@@ -142,3 +142,67 @@ pub fn load_key_value_block<F: Float>(
     load_rows(k, batch, head, first, k_tile, rows, dim_qk, units);
     load_rows(v, batch, head, first, v_tile, rows, dim_v, units);
 }
+
+/// Stages rows `[first, first + rows)` of head `head` in shared memory in the input dtype:
+/// row `r` at `r · stride`, its `dim` values zero-padded to `padded` columns; rows past the
+/// end of the sequence read as 0. The cube's `units` units cooperate.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_rows<F: Float>(
+    t: &Tensor<F>,
+    batch: usize,
+    head: usize,
+    first: usize,
+    tile: &mut Shared<[F]>,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] padded: usize,
+    #[comptime] stride: usize,
+    #[comptime] units: usize,
+) {
+    let seq = t.shape(2);
+    let base = batch * t.stride(0) + head * t.stride(1);
+    let (row_stride, col_stride) = (t.stride(2), t.stride(3));
+    for step in 0..(rows * padded).div_ceil(units) {
+        let idx = step * units + UNIT_POS as usize;
+        if idx < rows * padded {
+            let r = idx / padded;
+            let c = idx % padded;
+            let mut value = F::new(0.0);
+            if first + r < seq && c < dim {
+                value = t[base + (first + r) * row_stride + c * col_stride];
+            }
+            tile[r * stride + c] = value;
+        }
+    }
+}
+
+/// Writes rows `[first, first + rows)` of head `head` of `t` from an f32 tile in shared
+/// memory (row `r` at `r · stride`), cast to the tensor's dtype; rows past the end of the
+/// sequence are skipped. The cube's `units` units cooperate.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn write_rows<F: Float>(
+    tile: &Shared<[f32]>,
+    t: &mut Tensor<F>,
+    batch: usize,
+    head: usize,
+    first: usize,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] stride: usize,
+    #[comptime] units: usize,
+) {
+    let seq = t.shape(2);
+    let base = batch * t.stride(0) + head * t.stride(1);
+    let (row_stride, col_stride) = (t.stride(2), t.stride(3));
+    for step in 0..(rows * dim).div_ceil(units) {
+        let idx = step * units + UNIT_POS as usize;
+        let r = idx / dim;
+        if idx < rows * dim && first + r < seq {
+            let c = idx % dim;
+            t[base + (first + r) * row_stride + c * col_stride] =
+                F::cast_from(tile[r * stride + c]);
+        }
+    }
+}

@@ -4,22 +4,32 @@
 //! 2. [`flash_backward_dkdv`]: `dK`, `dV` per key block (GQA groups summed in the cube);
 //! 3. [`flash_backward_dq`]: `dQ` per query block.
 //!
+//! Steps 2 and 3 have a portable form and a tensor-core form
+//! ([`flash_backward_dkdv_cmma`], [`flash_backward_dq_cmma`]), chosen as in the forward.
+//!
 //! Extra device memory: `D`, `[b, h_q, s_q]` f32. No `s × s` buffer, no atomics: the
 //! result is bitwise identical from run to run.
 
 mod dkdv;
+mod dkdv_cmma;
 mod dq;
+mod dq_cmma;
 mod preprocess;
 
 use cubecl::prelude::*;
 
-use crate::config::{DeviceLimits, KernelPath, choose_path, choose_portable_tiles};
+use crate::config::{
+    DeviceLimits, KernelPath, MmaConfig, TileConfig, choose_mma_tiles, choose_path,
+    choose_portable_tiles,
+};
 use crate::error::FlashError;
 use crate::launch::{DeviceTensor, check_dtype, expect_shape, grid, softcap_arg, window_args};
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use dkdv::flash_backward_dkdv;
+pub use dkdv_cmma::flash_backward_dkdv_cmma;
 pub use dq::flash_backward_dq;
+pub use dq_cmma::flash_backward_dq_cmma;
 pub use preprocess::flash_backward_delta;
 
 /// Gradients of Q, K and V, contiguous, in the input dtype.
@@ -98,32 +108,86 @@ pub fn backward_into(
         });
     }
 
-    match choose_path(path, dtype)? {
-        KernelPath::Auto | KernelPath::Portable => {
-            let limits = DeviceLimits::from_properties(client.properties());
-            let (left, right) = window_args(&problem);
-            let (scale, softcap) = (problem.scale(), softcap_arg(&problem));
-            let elem = dtype.elem_type();
+    let limits = DeviceLimits::from_properties(client.properties());
+    let chosen = choose_path(path, dtype, &limits)?;
+    let (left, right) = window_args(&problem);
+    let (scale, softcap) = (problem.scale(), softcap_arg(&problem));
+    let elem = dtype.elem_type();
 
-            let delta = DeviceTensor::empty(client, &problem.lse_shape(), 4);
-            let rows = problem.batch * problem.heads_q * problem.seq_q;
-            let cube = 256u32.min(limits.max_units_per_cube as u32);
+    let delta = DeviceTensor::empty(client, &problem.lse_shape(), 4);
+    let rows = problem.batch * problem.heads_q * problem.seq_q;
+    let cube = 256u32.min(limits.max_units_per_cube as u32);
+    unsafe {
+        flash_backward_delta::launch_unchecked(
+            client,
+            CubeCount::Static(rows.div_ceil(cube as usize) as u32, 1, 1),
+            CubeDim::new_1d(cube),
+            out.arg(),
+            d_out.arg(),
+            delta.arg(),
+            problem.dim_v,
+            elem,
+        );
+    }
+
+    match chosen {
+        KernelPath::TensorCore => {
+            let config = dkdv_mma_config(&problem, &limits)?;
+            let count = CubeCount::Static(
+                problem.seq_kv.div_ceil(config.block_rows()) as u32,
+                (problem.batch * problem.heads_kv) as u32,
+                1,
+            );
             unsafe {
-                flash_backward_delta::launch_unchecked(
+                flash_backward_dkdv_cmma::launch_unchecked(
                     client,
-                    CubeCount::Static(rows.div_ceil(cube as usize) as u32, 1, 1),
-                    CubeDim::new_1d(cube),
-                    out.arg(),
+                    count,
+                    CubeDim::new_1d(config.units() as u32),
+                    q.arg(),
+                    k.arg(),
+                    v.arg(),
                     d_out.arg(),
+                    lse.arg(),
                     delta.arg(),
-                    problem.dim_v,
+                    grads.dk.arg(),
+                    grads.dv.arg(),
+                    scale,
+                    softcap,
+                    left,
+                    right,
+                    config,
                     elem,
                 );
             }
-
-            // dK/dV: key rows in registers; Q, dO, LSE and D rows staged (f32).
-            let row_bytes = 4 * (problem.dim_qk + problem.dim_v + 2);
-            let config = choose_portable_tiles(&problem, &limits, row_bytes)?;
+            let config = dq_mma_config(&problem, &limits)?;
+            let count = CubeCount::Static(
+                problem.seq_q.div_ceil(config.block_rows()) as u32,
+                (problem.batch * problem.heads_q) as u32,
+                1,
+            );
+            unsafe {
+                flash_backward_dq_cmma::launch_unchecked(
+                    client,
+                    count,
+                    CubeDim::new_1d(config.units() as u32),
+                    q.arg(),
+                    k.arg(),
+                    v.arg(),
+                    d_out.arg(),
+                    lse.arg(),
+                    delta.arg(),
+                    grads.dq.arg(),
+                    scale,
+                    softcap,
+                    left,
+                    right,
+                    config,
+                    elem,
+                );
+            }
+        }
+        KernelPath::Auto | KernelPath::Portable => {
+            let config = dkdv_portable_config(&problem, &limits)?;
             let (count, dim) = grid(&config, problem.seq_kv, problem.batch, problem.heads_kv);
             unsafe {
                 flash_backward_dkdv::launch_unchecked(
@@ -147,9 +211,7 @@ pub fn backward_into(
                 );
             }
 
-            // dQ: query rows in registers; K and V rows staged (f32).
-            let row_bytes = 4 * (problem.dim_qk + problem.dim_v);
-            let config = choose_portable_tiles(&problem, &limits, row_bytes)?;
+            let config = dq_portable_config(&problem, &limits)?;
             let (count, dim) = grid(&config, problem.seq_q, problem.batch, problem.heads_q);
             unsafe {
                 flash_backward_dq::launch_unchecked(
@@ -174,6 +236,39 @@ pub fn backward_into(
         }
     }
     Ok(())
+}
+
+/// Tiles of the portable dK/dV kernel: key rows in registers; Q, dO, LSE and D rows staged
+/// in f32.
+pub(crate) fn dkdv_portable_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<TileConfig, FlashError> {
+    choose_portable_tiles(problem, limits, 4 * (problem.dim_qk + problem.dim_v + 2))
+}
+
+/// Tiles of the portable dQ kernel: query rows in registers; K and V rows staged in f32.
+pub(crate) fn dq_portable_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<TileConfig, FlashError> {
+    choose_portable_tiles(problem, limits, 4 * (problem.dim_qk + problem.dim_v))
+}
+
+/// Tiles of the tensor-core dK/dV kernel.
+pub(crate) fn dkdv_mma_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<MmaConfig, FlashError> {
+    choose_mma_tiles(problem, limits, dkdv_cmma::shared_bytes)
+}
+
+/// Tiles of the tensor-core dQ kernel.
+pub(crate) fn dq_mma_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<MmaConfig, FlashError> {
+    choose_mma_tiles(problem, limits, dq_cmma::shared_bytes)
 }
 
 /// Gradients of a problem with no query or no key: all zero.

@@ -1,15 +1,20 @@
 //! The forward pass: `O = softmax(Q·Kᵀ·scale) · V` and the LSE of every query row.
 
-mod kernel;
+mod cmma;
+mod portable;
 
 use cubecl::prelude::*;
 
-use crate::config::{DeviceLimits, KernelPath, choose_path, choose_portable_tiles};
+use crate::config::{
+    DeviceLimits, KernelPath, MmaConfig, TileConfig, choose_mma_tiles, choose_path,
+    choose_portable_tiles,
+};
 use crate::error::FlashError;
 use crate::launch::{DeviceTensor, check_dtype, expect_shape, grid, softcap_arg, window_args};
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
-pub use kernel::flash_forward;
+pub use cmma::{flash_forward_cmma, shared_bytes as cmma_shared_bytes};
+pub use portable::flash_forward;
 
 /// Output of the forward pass: `O` `[b, h_q, s_q, d_v]` in the input dtype, and the
 /// natural-log LSE `[b, h_q, s_q]` in f32 (−∞ for rows that see no key).
@@ -59,14 +64,39 @@ pub fn forward_into(
     if problem.is_empty() {
         return Ok(());
     }
-    match choose_path(path, dtype)? {
+    let limits = DeviceLimits::from_properties(client.properties());
+    let (left, right) = window_args(&problem);
+    match choose_path(path, dtype, &limits)? {
+        KernelPath::TensorCore => {
+            let config = mma_config(&problem, &limits)?;
+            let count = CubeCount::Static(
+                problem.seq_q.div_ceil(config.block_rows()) as u32,
+                (problem.batch * problem.heads_q) as u32,
+                1,
+            );
+            unsafe {
+                flash_forward_cmma::launch_unchecked(
+                    client,
+                    count,
+                    CubeDim::new_1d(config.units() as u32),
+                    q.arg(),
+                    k.arg(),
+                    v.arg(),
+                    out.arg(),
+                    lse.arg(),
+                    problem.scale(),
+                    softcap_arg(&problem),
+                    left,
+                    right,
+                    f32::NEG_INFINITY,
+                    config,
+                    dtype.elem_type(),
+                );
+            }
+        }
         KernelPath::Auto | KernelPath::Portable => {
-            let limits = DeviceLimits::from_properties(client.properties());
-            // K and V rows are staged in f32.
-            let row_bytes = 4 * (problem.dim_qk + problem.dim_v);
-            let config = choose_portable_tiles(&problem, &limits, row_bytes)?;
+            let config = portable_config(&problem, &limits)?;
             let (count, dim) = grid(&config, problem.seq_q, problem.batch, problem.heads_q);
-            let (left, right) = window_args(&problem);
             unsafe {
                 flash_forward::launch_unchecked(
                     client,
@@ -89,4 +119,20 @@ pub fn forward_into(
         }
     }
     Ok(())
+}
+
+/// Tiles of the portable forward kernel: K and V rows are staged in f32.
+pub(crate) fn portable_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<TileConfig, FlashError> {
+    choose_portable_tiles(problem, limits, 4 * (problem.dim_qk + problem.dim_v))
+}
+
+/// Tiles of the tensor-core forward kernel.
+pub(crate) fn mma_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<MmaConfig, FlashError> {
+    choose_mma_tiles(problem, limits, cmma::shared_bytes)
 }

@@ -1,0 +1,289 @@
+//! Backward step 2 on tensor cores: `dK` and `dV`, one cube per (key block, batch·key/value
+//! head), each plane owning 16 key rows, looping over the query blocks that see the key
+//! block, for every query head of the GQA group in turn. Per query block:
+//!
+//! 1. `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` on tensor cores, into f32 tiles of shared memory;
+//! 2. element-wise, `Pᵀ = exp(Sᵀ − LSE)` and `dSᵀ = Pᵀ ⊙ (dPᵀ − D) · dS/d(q·k)`, written in
+//!    the input dtype;
+//! 3. `dV += Pᵀ·dO` and `dK += dSᵀ·Q` into accumulators that stay in registers.
+//!
+//! No atomics: deterministic.
+
+use cubecl::prelude::*;
+
+use crate::config::{FRAGMENT, MmaConfig};
+use crate::mask::Mask;
+use crate::mma::{
+    Operand, SHARED_ALIGN, accumulate, product_to_shared, store_accumulators, zero_accumulators,
+};
+use crate::score::{score, score_grad};
+use crate::tile::{load_vector, stage_rows, write_rows};
+
+/// Row stride of the f32 tile that holds `Sᵀ`, then the final `dK` and `dV`.
+fn result_stride(config: &MmaConfig) -> usize {
+    MmaConfig::f32_stride(
+        config
+            .block_stream
+            .max(config.dim_qk_padded())
+            .max(config.dim_v_padded()),
+    )
+}
+
+/// Bytes of shared memory the kernel uses for `config` with `elem`-byte inputs.
+pub fn shared_bytes(config: &MmaConfig, elem: usize) -> usize {
+    let keys = config.block_rows();
+    let queries = config.block_stream;
+    let qk = MmaConfig::half_stride(config.dim_qk_padded());
+    let v = MmaConfig::half_stride(config.dim_v_padded());
+    let p = MmaConfig::half_stride(queries);
+    elem * ((keys + queries) * (qk + v) + 2 * keys * p)
+        + 4 * (2 * queries + keys * (result_stride(config) + MmaConfig::f32_stride(queries)))
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_dkdv_cmma<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    d_out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    #[comptime] config: MmaConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let block_k = comptime!(config.block_rows());
+    let block_q = config.block_stream;
+    let units = comptime!(config.units());
+    let dqk = comptime!(config.dim_qk_padded());
+    let dv_p = comptime!(config.dim_v_padded());
+    let qk_ld = comptime!(MmaConfig::half_stride(dqk));
+    let v_ld = comptime!(MmaConfig::half_stride(dv_p));
+    let s_ld = comptime!(result_stride(&config));
+    let dp_ld = comptime!(MmaConfig::f32_stride(block_q));
+    let p_ld = comptime!(MmaConfig::half_stride(block_q));
+    let per_row = comptime!(config.units_per_row());
+    let cols = comptime!(block_q / config.units_per_row());
+
+    let plane = UNIT_POS as usize / config.plane_size;
+    let lane = UNIT_POS as usize % config.plane_size;
+    let part = lane % per_row;
+    let plane_row0 = plane * FRAGMENT;
+    let my_key = plane_row0 + lane / per_row;
+
+    let seq_q = q.shape(2);
+    let seq_kv = k.shape(2);
+    let heads_kv = k.shape(1);
+    let group = q.shape(1) / heads_kv;
+    let batch = CUBE_POS_Y as usize / heads_kv;
+    let head_kv = CUBE_POS_Y as usize % heads_kv;
+    let k_begin = CUBE_POS_X as usize * block_k;
+    let k_end = min(k_begin + block_k, seq_kv);
+    let key_i = i32::cast_from(k_begin + my_key);
+
+    let mut k_tile = Shared::<[F]>::new_aligned_slice(block_k * qk_ld, SHARED_ALIGN);
+    let mut v_tile = Shared::<[F]>::new_aligned_slice(block_k * v_ld, SHARED_ALIGN);
+    let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, SHARED_ALIGN);
+    let mut do_tile = Shared::<[F]>::new_aligned_slice(block_q * v_ld, SHARED_ALIGN);
+    let mut lse_tile = Shared::<[f32]>::new_slice(block_q);
+    let mut delta_tile = Shared::<[f32]>::new_slice(block_q);
+    let mut s_tile = Shared::<[f32]>::new_aligned_slice(block_k * s_ld, SHARED_ALIGN);
+    let mut dp_tile = Shared::<[f32]>::new_aligned_slice(block_k * dp_ld, SHARED_ALIGN);
+    let mut p_tile = Shared::<[F]>::new_aligned_slice(block_k * p_ld, SHARED_ALIGN);
+    let mut ds_tile = Shared::<[F]>::new_aligned_slice(block_k * p_ld, SHARED_ALIGN);
+
+    stage_rows(
+        k,
+        batch,
+        head_kv,
+        k_begin,
+        &mut k_tile,
+        block_k,
+        config.dim_qk,
+        dqk,
+        qk_ld,
+        units,
+    );
+    stage_rows(
+        v,
+        batch,
+        head_kv,
+        k_begin,
+        &mut v_tile,
+        block_k,
+        config.dim_v,
+        dv_p,
+        v_ld,
+        units,
+    );
+    let dk_acc = zero_accumulators(dqk / FRAGMENT);
+    let dv_acc = zero_accumulators(dv_p / FRAGMENT);
+
+    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+    let mut q_first = 0i32;
+    let mut q_last = i32::cast_from(seq_q);
+    if config.masked {
+        q_first = mask.query_begin(i32::cast_from(k_begin));
+        q_last = mask.query_end(i32::cast_from(k_end));
+    }
+    let num_blocks =
+        (max(q_last - q_first, 0) + i32::cast_from(block_q) - 1) / i32::cast_from(block_q);
+
+    for g in 0..group {
+        let head_q = head_kv * group + g;
+        for block in 0..num_blocks {
+            let q0 = q_first + block * i32::cast_from(block_q);
+            let q0_u = usize::cast_from(q0);
+            sync_cube();
+            stage_rows(
+                q,
+                batch,
+                head_q,
+                q0_u,
+                &mut q_tile,
+                block_q,
+                config.dim_qk,
+                dqk,
+                qk_ld,
+                units,
+            );
+            stage_rows(
+                d_out,
+                batch,
+                head_q,
+                q0_u,
+                &mut do_tile,
+                block_q,
+                config.dim_v,
+                dv_p,
+                v_ld,
+                units,
+            );
+            load_vector(lse, batch, head_q, q0_u, &mut lse_tile, block_q, units);
+            load_vector(delta, batch, head_q, q0_u, &mut delta_tile, block_q, units);
+            sync_cube();
+
+            // 1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's 16 keys.
+            product_to_shared(
+                &k_tile,
+                plane_row0 * qk_ld,
+                qk_ld,
+                &q_tile,
+                0,
+                comptime!(Operand::transposed(qk_ld)),
+                &mut s_tile,
+                plane_row0 * s_ld,
+                s_ld,
+                dqk / FRAGMENT,
+                block_q / FRAGMENT,
+            );
+            product_to_shared(
+                &v_tile,
+                plane_row0 * v_ld,
+                v_ld,
+                &do_tile,
+                0,
+                comptime!(Operand::transposed(v_ld)),
+                &mut dp_tile,
+                plane_row0 * dp_ld,
+                dp_ld,
+                dv_p / FRAGMENT,
+                block_q / FRAGMENT,
+            );
+            sync_plane();
+
+            // 2. Pᵀ and dSᵀ, this unit's columns `part, part + per_row, …` of its key row.
+            let needs_mask = !mask.is_block_visible(
+                q0,
+                q0 + i32::cast_from(block_q),
+                i32::cast_from(k_begin),
+                i32::cast_from(k_end),
+            );
+            #[unroll]
+            for j in 0..cols {
+                let col = j * per_row + part;
+                let s = score(s_tile[my_key * s_ld + col], scale, softcap, config.softcap);
+                let visible = !needs_mask || mask.is_visible(q0 + i32::cast_from(col), key_i);
+                let p = select(visible, (s - lse_tile[col]).exp(), 0.0);
+                let ds = p
+                    * (dp_tile[my_key * dp_ld + col] - delta_tile[col])
+                    * score_grad(s, scale, softcap, config.softcap);
+                p_tile[my_key * p_ld + col] = F::cast_from(p);
+                ds_tile[my_key * p_ld + col] = F::cast_from(ds);
+            }
+            sync_plane();
+
+            // 3. dV += Pᵀ·dO, dK += dSᵀ·Q.
+            accumulate(
+                &p_tile,
+                plane_row0 * p_ld,
+                p_ld,
+                &do_tile,
+                0,
+                comptime!(Operand::as_stored(v_ld)),
+                &dv_acc,
+                block_q / FRAGMENT,
+                dv_p / FRAGMENT,
+            );
+            accumulate(
+                &ds_tile,
+                plane_row0 * p_ld,
+                p_ld,
+                &q_tile,
+                0,
+                comptime!(Operand::as_stored(qk_ld)),
+                &dk_acc,
+                block_q / FRAGMENT,
+                dqk / FRAGMENT,
+            );
+        }
+    }
+
+    // Epilogue: the accumulators through shared memory to the key rows of dK and dV.
+    sync_cube();
+    store_accumulators(
+        &dk_acc,
+        &mut s_tile,
+        plane_row0 * s_ld,
+        s_ld,
+        dqk / FRAGMENT,
+    );
+    sync_cube();
+    write_rows(
+        &s_tile,
+        dk,
+        batch,
+        head_kv,
+        k_begin,
+        block_k,
+        config.dim_qk,
+        s_ld,
+        units,
+    );
+    sync_cube();
+    store_accumulators(
+        &dv_acc,
+        &mut s_tile,
+        plane_row0 * s_ld,
+        s_ld,
+        dv_p / FRAGMENT,
+    );
+    sync_cube();
+    write_rows(
+        &s_tile,
+        dv,
+        batch,
+        head_kv,
+        k_begin,
+        block_k,
+        config.dim_v,
+        s_ld,
+        units,
+    );
+}

@@ -1,0 +1,236 @@
+//! Backward step 3 on tensor cores: `dQ`, one cube per (query block, batch·query head),
+//! each plane owning 16 query rows, looping over the key blocks the rows see. Per key
+//! block: `S = Q·Kᵀ` and `dP = dO·Vᵀ` on tensor cores into f32 tiles of shared memory,
+//! `dS = exp(S − LSE) ⊙ (dP − D) · dS/d(q·k)` element-wise in the input dtype, and
+//! `dQ += dS·K` into accumulators that stay in registers. No atomics: deterministic.
+
+use cubecl::prelude::*;
+
+use crate::config::{FRAGMENT, MmaConfig};
+use crate::mask::Mask;
+use crate::mma::{
+    Operand, SHARED_ALIGN, accumulate, product_to_shared, store_accumulators, zero_accumulators,
+};
+use crate::score::{score, score_grad};
+use crate::tile::{Head, row_offset, stage_rows, write_rows};
+
+/// Row stride of the f32 tile that holds `S`, then the final `dQ`.
+fn result_stride(config: &MmaConfig) -> usize {
+    MmaConfig::f32_stride(config.block_stream.max(config.dim_qk_padded()))
+}
+
+/// Bytes of shared memory the kernel uses for `config` with `elem`-byte inputs.
+pub fn shared_bytes(config: &MmaConfig, elem: usize) -> usize {
+    let queries = config.block_rows();
+    let keys = config.block_stream;
+    let qk = MmaConfig::half_stride(config.dim_qk_padded());
+    let v = MmaConfig::half_stride(config.dim_v_padded());
+    elem * ((queries + keys) * (qk + v) + queries * MmaConfig::half_stride(keys))
+        + 4 * queries * (result_stride(config) + MmaConfig::f32_stride(keys))
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_dq_cmma<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    d_out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    #[comptime] config: MmaConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let block_q = comptime!(config.block_rows());
+    let block_k = config.block_stream;
+    let units = comptime!(config.units());
+    let dqk = comptime!(config.dim_qk_padded());
+    let dv_p = comptime!(config.dim_v_padded());
+    let qk_ld = comptime!(MmaConfig::half_stride(dqk));
+    let v_ld = comptime!(MmaConfig::half_stride(dv_p));
+    let s_ld = comptime!(result_stride(&config));
+    let dp_ld = comptime!(MmaConfig::f32_stride(block_k));
+    let ds_ld = comptime!(MmaConfig::half_stride(block_k));
+    let per_row = comptime!(config.units_per_row());
+    let cols = comptime!(block_k / config.units_per_row());
+
+    let plane = UNIT_POS as usize / config.plane_size;
+    let lane = UNIT_POS as usize % config.plane_size;
+    let part = lane % per_row;
+    let plane_row0 = plane * FRAGMENT;
+    let my_row = plane_row0 + lane / per_row;
+
+    let seq_q = q.shape(2);
+    let seq_kv = k.shape(2);
+    let head = Head::from_cube(q.shape(1), k.shape(1));
+    let q_begin = CUBE_POS_X as usize * block_q;
+    let q_end = min(q_begin + block_q, seq_q);
+    let row = q_begin + my_row;
+    let row_c = min(row, seq_q - 1);
+    let row_lse = lse[row_offset(lse, head.batch, head.head_q, row_c)];
+    let row_delta = delta[row_offset(delta, head.batch, head.head_q, row_c)];
+
+    let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, SHARED_ALIGN);
+    let mut do_tile = Shared::<[F]>::new_aligned_slice(block_q * v_ld, SHARED_ALIGN);
+    let mut k_tile = Shared::<[F]>::new_aligned_slice(block_k * qk_ld, SHARED_ALIGN);
+    let mut v_tile = Shared::<[F]>::new_aligned_slice(block_k * v_ld, SHARED_ALIGN);
+    let mut s_tile = Shared::<[f32]>::new_aligned_slice(block_q * s_ld, SHARED_ALIGN);
+    let mut dp_tile = Shared::<[f32]>::new_aligned_slice(block_q * dp_ld, SHARED_ALIGN);
+    let mut ds_tile = Shared::<[F]>::new_aligned_slice(block_q * ds_ld, SHARED_ALIGN);
+
+    stage_rows(
+        q,
+        head.batch,
+        head.head_q,
+        q_begin,
+        &mut q_tile,
+        block_q,
+        config.dim_qk,
+        dqk,
+        qk_ld,
+        units,
+    );
+    stage_rows(
+        d_out,
+        head.batch,
+        head.head_q,
+        q_begin,
+        &mut do_tile,
+        block_q,
+        config.dim_v,
+        dv_p,
+        v_ld,
+        units,
+    );
+    let dq_acc = zero_accumulators(dqk / FRAGMENT);
+
+    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+    let mut k_first = 0i32;
+    let mut k_last = i32::cast_from(seq_kv);
+    if config.masked {
+        k_first = mask.key_begin(i32::cast_from(q_begin));
+        k_last = mask.key_end(i32::cast_from(q_end));
+    }
+    let num_blocks =
+        (max(k_last - k_first, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
+    let row_i = i32::cast_from(row);
+
+    for block in 0..num_blocks {
+        let k0 = k_first + block * i32::cast_from(block_k);
+        let k0_u = usize::cast_from(k0);
+        sync_cube();
+        stage_rows(
+            k,
+            head.batch,
+            head.head_kv,
+            k0_u,
+            &mut k_tile,
+            block_k,
+            config.dim_qk,
+            dqk,
+            qk_ld,
+            units,
+        );
+        stage_rows(
+            v,
+            head.batch,
+            head.head_kv,
+            k0_u,
+            &mut v_tile,
+            block_k,
+            config.dim_v,
+            dv_p,
+            v_ld,
+            units,
+        );
+        sync_cube();
+
+        // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's 16 rows.
+        product_to_shared(
+            &q_tile,
+            plane_row0 * qk_ld,
+            qk_ld,
+            &k_tile,
+            0,
+            comptime!(Operand::transposed(qk_ld)),
+            &mut s_tile,
+            plane_row0 * s_ld,
+            s_ld,
+            dqk / FRAGMENT,
+            block_k / FRAGMENT,
+        );
+        product_to_shared(
+            &do_tile,
+            plane_row0 * v_ld,
+            v_ld,
+            &v_tile,
+            0,
+            comptime!(Operand::transposed(v_ld)),
+            &mut dp_tile,
+            plane_row0 * dp_ld,
+            dp_ld,
+            dv_p / FRAGMENT,
+            block_k / FRAGMENT,
+        );
+        sync_plane();
+
+        // dS, this unit's columns `part, part + per_row, …` of its row.
+        let needs_mask = !mask.is_block_visible(
+            i32::cast_from(q_begin),
+            i32::cast_from(q_end),
+            k0,
+            k0 + i32::cast_from(block_k),
+        );
+        #[unroll]
+        for j in 0..cols {
+            let col = j * per_row + part;
+            let s = score(s_tile[my_row * s_ld + col], scale, softcap, config.softcap);
+            let visible = !needs_mask || mask.is_visible(row_i, k0 + i32::cast_from(col));
+            let p = select(visible, (s - row_lse).exp(), 0.0);
+            let ds = p
+                * (dp_tile[my_row * dp_ld + col] - row_delta)
+                * score_grad(s, scale, softcap, config.softcap);
+            ds_tile[my_row * ds_ld + col] = F::cast_from(ds);
+        }
+        sync_plane();
+
+        // dQ += dS·K.
+        accumulate(
+            &ds_tile,
+            plane_row0 * ds_ld,
+            ds_ld,
+            &k_tile,
+            0,
+            comptime!(Operand::as_stored(qk_ld)),
+            &dq_acc,
+            block_k / FRAGMENT,
+            dqk / FRAGMENT,
+        );
+    }
+
+    sync_cube();
+    store_accumulators(
+        &dq_acc,
+        &mut s_tile,
+        plane_row0 * s_ld,
+        s_ld,
+        dqk / FRAGMENT,
+    );
+    sync_cube();
+    write_rows(
+        &s_tile,
+        dq,
+        head.batch,
+        head.head_q,
+        q_begin,
+        block_q,
+        config.dim_qk,
+        s_ld,
+        units,
+    );
+}

@@ -1,0 +1,547 @@
+//! The source of every shipped kernel variant, generated for a target GPU without a device.
+//!
+//! Each kernel is expanded against device properties built the way the CUDA and HIP
+//! runtimes build them for that GPU (plane size, shared memory, tensor-core fragments), its
+//! tiles chosen by the same heuristics the launchers use, and translated to CUDA or HIP C++
+//! by the same code generator the runtime hands to NVRTC or hipRTC. `tools/compile_check.py`
+//! then compiles the sources offline (see docs/amd.md).
+
+use std::sync::Arc;
+
+use cubecl::Compiler;
+use cubecl::ir::features::Plane;
+use cubecl::ir::{DeviceIdentity, ElemType, FloatKind, HardwareProperties, MemoryDeviceProperties};
+use cubecl::ir::{OpaqueType, VectorSize};
+use cubecl::prelude::*;
+use cubecl::profile::TimingMethod;
+use cubecl_cpp::register_supported_types;
+use cubecl_cpp::shared::{
+    CompilationOptions, CppSupportedFeatures, register_mma_features, register_wmma_features,
+};
+
+use crate::backward::{
+    dkdv_mma_config, dkdv_portable_config, dq_mma_config, dq_portable_config,
+    flash_backward_delta, flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dq,
+    flash_backward_dq_cmma,
+};
+use crate::config::DeviceLimits;
+use crate::forward::{flash_forward, flash_forward_cmma, mma_config, portable_config};
+use crate::mask::MaskSpec;
+use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
+
+/// A GPU the kernels are generated for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// NVIDIA A100 (Ampere).
+    Sm80,
+    /// NVIDIA H100/H200 (Hopper).
+    Sm90,
+    /// AMD MI200 (CDNA2).
+    Gfx90a,
+    /// AMD MI300 (CDNA3).
+    Gfx942,
+}
+
+/// The language a target's sources are written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Language {
+    Cuda,
+    Hip,
+}
+
+impl Target {
+    pub const ALL: [Target; 4] = [Target::Sm80, Target::Sm90, Target::Gfx90a, Target::Gfx942];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Sm80 => "sm_80",
+            Target::Sm90 => "sm_90",
+            Target::Gfx90a => "gfx90a",
+            Target::Gfx942 => "gfx942",
+        }
+    }
+
+    pub fn language(self) -> Language {
+        match self {
+            Target::Sm80 | Target::Sm90 => Language::Cuda,
+            Target::Gfx90a | Target::Gfx942 => Language::Hip,
+        }
+    }
+
+    /// Plane size, shared memory per cube (opt-in maximum) and multiprocessors.
+    fn hardware(self) -> (u32, usize, u32) {
+        match self {
+            Target::Sm80 => (32, 166_912, 108),
+            Target::Sm90 => (32, 232_448, 132),
+            Target::Gfx90a => (64, 65_536, 110),
+            Target::Gfx942 => (64, 65_536, 304),
+        }
+    }
+
+    /// Device properties as the runtime would report them for this GPU.
+    pub fn properties(self) -> DeviceProperties {
+        let (plane, shared, sms) = self.hardware();
+        let hardware = HardwareProperties {
+            load_width: 128,
+            vector_register_count: None,
+            plane_size_min: plane,
+            plane_size_max: plane,
+            max_bindings: 1024,
+            max_shared_memory_size: shared,
+            max_cube_count: (2_147_483_647, 65_535, 65_535),
+            max_units_per_cube: 1024,
+            max_cube_dim: (1024, 1024, 64),
+            num_streaming_multiprocessors: Some(sms),
+            num_tensor_cores: None,
+            min_tensor_cores_dim: Some(16),
+            num_cpu_cores: None,
+            last_level_cache_size: None,
+            max_vector_size: VectorSize::MAX,
+            cube_mma_reserved_shared_memory: 0,
+        };
+        let memory = 64u64 << 30;
+        let mut props = DeviceProperties::new(
+            Default::default(),
+            MemoryDeviceProperties::new(memory / 4, 512).with_max_memory(memory),
+            hardware,
+            TimingMethod::Device,
+            DeviceIdentity {
+                name: format!("{} (offline model)", self.name()),
+                fingerprint: self.name().into(),
+                physical: None,
+            },
+        );
+        register_supported_types(&mut props);
+        props.features.plane.insert(Plane::Ops);
+        props.features.plane.insert(Plane::NonUniformControlFlow);
+        props.features.memory_reinterpret = true;
+        props.features.alignment = true;
+        props.features.device_memory_scope = true;
+        match self.language() {
+            Language::Cuda => cuda::register(self, &mut props),
+            Language::Hip => hip::register(self, &mut props),
+        }
+        props
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use cubecl::cuda::CudaRuntime;
+    use cubecl::cuda::compiler::{CudaBackend, CudaCompilationOptions, CudaCompiler};
+    use cubecl::ir::nvidia::SmArch;
+    use cubecl_cpp::cuda::{self as cpp_cuda, arch::CudaArchitecture, mma::CudaCmmaCompiler};
+
+    fn version(target: Target) -> u32 {
+        match target {
+            Target::Sm80 => 80,
+            _ => 90,
+        }
+    }
+
+    pub(super) fn register(target: Target, props: &mut DeviceProperties) {
+        let arch = CudaArchitecture {
+            version: version(target),
+            tensor_cores: true,
+        };
+        props.features.plane.insert(Plane::Sync);
+        props.register_opaque_type(OpaqueType::Barrier);
+        for t in [FloatKind::F16, FloatKind::BF16] {
+            props.features.matmul.ldmatrix.insert(ElemType::Float(t));
+            props.features.matmul.stmatrix.insert(ElemType::Float(t));
+        }
+        props.features.copy_async = true;
+        register_wmma_features(
+            CudaCmmaCompiler::Cpp.supported_cmma_combinations(&arch),
+            props,
+        );
+        register_mma_features(cpp_cuda::supported_mma_combinations(&arch), props);
+    }
+
+    pub(super) fn target_properties() -> Arc<TargetProperties> {
+        Arc::new(<CudaRuntime as cubecl::__private::Runtime>::target_properties())
+    }
+
+    pub(super) fn compile(target: Target, kernel: &dyn CubeKernel) -> Result<String, String> {
+        let options = CudaCompilationOptions {
+            cpp: CompilationOptions {
+                warp_size: 32,
+                supports_features: CppSupportedFeatures {
+                    grid_constants: true,
+                    clusters: version(target) >= 90,
+                    fast_math: true,
+                    fast_tanh: true,
+                    elect_sync: version(target) >= 90,
+                    dp4a: true,
+                },
+                ..Default::default()
+            },
+            arch: Some(SmArch::new(version(target), version(target) >= 90)),
+            ptx_version: None,
+        };
+        let definition = cubecl::define_kernel(kernel).map_err(|e| format!("{e:?}"))?;
+        CudaCompiler::new(CudaBackend::Cpp)
+            .compile(definition, &options)
+            .map(|repr| repr.to_string())
+            .map_err(|e| format!("{e:?}"))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cuda {
+    use super::*;
+    pub(super) fn register(_: Target, _: &mut DeviceProperties) {}
+    pub(super) fn target_properties() -> Arc<TargetProperties> {
+        unreachable!("CUDA targets need the `cuda` feature")
+    }
+    pub(super) fn compile(_: Target, _: &dyn CubeKernel) -> Result<String, String> {
+        Err("built without the `cuda` feature".into())
+    }
+}
+
+#[cfg(feature = "rocm")]
+mod hip {
+    use super::*;
+    use cubecl::hip::HipRuntime;
+    use cubecl::hip::compiler::{HipBackend, HipCompilationOptions, HipCompiler};
+    use cubecl::ir::amd::GfxArch;
+    use cubecl_cpp::hip::mma::HipCmmaCompiler;
+    use cubecl_cpp::shared::Architecture;
+
+    fn gfx(target: Target) -> GfxArch {
+        GfxArch::parse(target.name())
+    }
+
+    pub(super) fn register(target: Target, props: &mut DeviceProperties) {
+        let arch = gfx(target).family();
+        register_wmma_features(
+            HipCmmaCompiler::RocWmma.supported_cmma_combinations(&arch),
+            props,
+        );
+        register_mma_features(cubecl_cpp::hip::supported_mma_combinations(&arch), props);
+    }
+
+    pub(super) fn target_properties() -> Arc<TargetProperties> {
+        Arc::new(<HipRuntime as cubecl::__private::Runtime>::target_properties())
+    }
+
+    pub(super) fn compile(target: Target, kernel: &dyn CubeKernel) -> Result<String, String> {
+        let gfx = gfx(target);
+        let options = HipCompilationOptions {
+            cpp: CompilationOptions {
+                warp_size: gfx.family().warp_size() as usize,
+                supports_features: CppSupportedFeatures {
+                    fast_math: true,
+                    ..Default::default()
+                },
+                amd_wmma: gfx.wmma(),
+            },
+            arch: Some(gfx),
+        };
+        let definition = cubecl::define_kernel(kernel).map_err(|e| format!("{e:?}"))?;
+        HipCompiler::new(HipBackend::Cpp)
+            .compile(definition, &options)
+            .map(|repr| repr.to_string())
+            .map_err(|e| format!("{e:?}"))
+    }
+}
+
+#[cfg(not(feature = "rocm"))]
+mod hip {
+    use super::*;
+    pub(super) fn register(_: Target, _: &mut DeviceProperties) {}
+    pub(super) fn target_properties() -> Arc<TargetProperties> {
+        unreachable!("AMD targets need the `rocm` feature")
+    }
+    pub(super) fn compile(_: Target, _: &dyn CubeKernel) -> Result<String, String> {
+        Err("built without the `rocm` feature".into())
+    }
+}
+
+/// Whether this build can generate sources for `target`.
+pub fn is_supported(target: Target) -> bool {
+    match target.language() {
+        Language::Cuda => cfg!(feature = "cuda"),
+        Language::Hip => cfg!(feature = "rocm"),
+    }
+}
+
+/// The generated source of one kernel variant.
+#[derive(Clone, Debug)]
+pub struct KernelSource {
+    /// `<kernel>_<dtype>_d<qk>x<v>_<options>`, unique per target.
+    pub name: String,
+    /// CUDA or HIP C++.
+    pub source: String,
+}
+
+/// The problems whose kernels differ in code: every dtype; head dims that are a multiple
+/// of 16, one padded, and the largest; plain and with every option compiled in (causal
+/// window and softcap); `d_v ≠ d_qk` once.
+pub fn shipped_problems() -> Vec<AttentionProblem> {
+    let plain = AttentionOptions::default();
+    let everything = AttentionOptions {
+        scale: None,
+        mask: MaskSpec {
+            causal: true,
+            window_left: Some(64),
+            window_right: None,
+        },
+        softcap: Some(30.0),
+    };
+    let mut problems = Vec::new();
+    for dtype in [FloatDtype::F32, FloatDtype::F16, FloatDtype::BF16] {
+        for (dim_qk, dim_v) in [(40, 40), (64, 64), (128, 128), (256, 256), (128, 64)] {
+            for options in [plain, everything] {
+                let problem = AttentionProblem::new(
+                    &[1, 2, 128, dim_qk],
+                    &[1, 1, 128, dim_qk],
+                    &[1, 1, 128, dim_v],
+                    dtype,
+                    options,
+                )
+                .expect("a valid problem");
+                problems.push(problem);
+            }
+        }
+    }
+    problems
+}
+
+/// Generates the source of every kernel the launchers would run for the shipped problems on
+/// `target`: portable kernels everywhere, tensor-core kernels for the dtypes the target has
+/// fragments for. Errors name the variant.
+pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
+    let props = Arc::new(target.properties());
+    let limits = DeviceLimits::from_properties(&props);
+    let mut out: Vec<Result<KernelSource, String>> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for problem in shipped_problems() {
+        for (name, kernel) in kernels(&problem, &limits, target, props.clone()) {
+            let name = format!("{name}_{}", variant_suffix(&problem));
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            let compiled = match kernel {
+                Ok(kernel) => match target.language() {
+                    Language::Cuda => cuda::compile(target, &*kernel),
+                    Language::Hip => hip::compile(target, &*kernel),
+                },
+                Err(e) => Err(e),
+            };
+            out.push(
+                compiled
+                    .map(|source| KernelSource {
+                        name: name.clone(),
+                        source,
+                    })
+                    .map_err(|e| format!("{name} for {}: {e}", target.name())),
+            );
+        }
+    }
+    out
+}
+
+fn variant_suffix(p: &AttentionProblem) -> String {
+    let options = if p.options.mask.is_masked() || p.options.softcap.is_some() {
+        "masked_softcap"
+    } else {
+        "plain"
+    };
+    format!(
+        "{}_d{}x{}_{options}",
+        format!("{:?}", p.dtype).to_lowercase(),
+        p.dim_qk,
+        p.dim_v
+    )
+}
+
+type KernelResult = Result<Box<dyn CubeKernel>, String>;
+
+fn tensor() -> TensorCompilationArg {
+    TensorCompilationArg {
+        meta: TensorMetaCompilationArg { len: (), rank: () },
+        buffer: BufferCompilationArg { inplace: None },
+    }
+}
+
+fn settings(units: usize) -> KernelSettings {
+    KernelSettings::new(
+        CubeDim::new_1d(units as u32).into(),
+        ExecutionMode::Unchecked,
+        AddressType::U32,
+    )
+}
+
+/// Every kernel the launchers run for `problem` on a device with `limits`, by name.
+fn kernels(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+    target: Target,
+    props: Arc<DeviceProperties>,
+) -> Vec<(&'static str, KernelResult)> {
+    let tprops = match target.language() {
+        Language::Cuda => cuda::target_properties(),
+        Language::Hip => hip::target_properties(),
+    };
+    let elem = problem.dtype.elem_type();
+    let err = |e: crate::FlashError| e.to_string();
+    let mut kernels: Vec<(&'static str, KernelResult)> = Vec::new();
+
+    kernels.push((
+        "forward",
+        portable_config(problem, limits).map_err(err).map(|c| {
+            Box::new(flash_forward::FlashForward::new(
+                settings(c.block_rows),
+                props.clone(),
+                tprops.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                (),
+                c,
+                elem,
+            )) as Box<dyn CubeKernel>
+        }),
+    ));
+    kernels.push((
+        "backward_delta",
+        Ok(Box::new(flash_backward_delta::FlashBackwardDelta::new(
+            settings(256),
+            props.clone(),
+            tprops.clone(),
+            tensor(),
+            tensor(),
+            tensor(),
+            problem.dim_v,
+            elem,
+        ))),
+    ));
+    kernels.push((
+        "backward_dkdv",
+        dkdv_portable_config(problem, limits).map_err(err).map(|c| {
+            Box::new(flash_backward_dkdv::FlashBackwardDkdv::new(
+                settings(c.block_rows),
+                props.clone(),
+                tprops.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                c,
+                elem,
+            )) as Box<dyn CubeKernel>
+        }),
+    ));
+    kernels.push((
+        "backward_dq",
+        dq_portable_config(problem, limits).map_err(err).map(|c| {
+            Box::new(flash_backward_dq::FlashBackwardDq::new(
+                settings(c.block_rows),
+                props.clone(),
+                tprops.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                c,
+                elem,
+            )) as Box<dyn CubeKernel>
+        }),
+    ));
+    if !limits.has_tensor_cores(problem.dtype) {
+        return kernels;
+    }
+    kernels.push((
+        "forward_cmma",
+        mma_config(problem, limits).map_err(err).map(|c| {
+            Box::new(flash_forward_cmma::FlashForwardCmma::new(
+                settings(c.units()),
+                props.clone(),
+                tprops.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                (),
+                c,
+                elem,
+            )) as Box<dyn CubeKernel>
+        }),
+    ));
+    kernels.push((
+        "backward_dkdv_cmma",
+        dkdv_mma_config(problem, limits).map_err(err).map(|c| {
+            Box::new(flash_backward_dkdv_cmma::FlashBackwardDkdvCmma::new(
+                settings(c.units()),
+                props.clone(),
+                tprops.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                c,
+                elem,
+            )) as Box<dyn CubeKernel>
+        }),
+    ));
+    kernels.push((
+        "backward_dq_cmma",
+        dq_mma_config(problem, limits).map_err(err).map(|c| {
+            Box::new(flash_backward_dq_cmma::FlashBackwardDqCmma::new(
+                settings(c.units()),
+                props.clone(),
+                tprops.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                (),
+                c,
+                elem,
+            )) as Box<dyn CubeKernel>
+        }),
+    ));
+    kernels
+}
