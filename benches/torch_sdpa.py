@@ -67,13 +67,27 @@ for dname in a.dtypes.split(","):
                             def fb():
                                 F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(do)
                             tb = do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=[q, k, v])
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                            base = torch.cuda.memory_allocated()
+                            fb()
+                            torch.cuda.synchronize()
+                            mem_fb = (torch.cuda.max_memory_allocated() - base) / 2**20
+                            q.grad = k.grad = v.grad = None
+                            # The backward alone, as FlashAttention's benchmark times it: the
+                            # graph of one forward kept and walked again.
+                            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                            tbw = do_bench(lambda: o.backward(do, retain_graph=True), warmup=25, rep=100,
+                                           return_mode="median", grad_to_none=[q, k, v])
+                            del o
                     except Exception as e:  # a backend refusing a shape is a result too
                         print(name, "error", str(e)[:100], flush=True)
                         continue
-                    for pass_, ms, fl in (("fwd", t, flops), ("fwd_bwd", tb, 3.5 * flops)):
+                    for pass_, ms, fl, peak in (("fwd", t, flops, mem), ("bwd", tbw, 2.5 * flops, None),
+                                                ("fwd_bwd", tb, 3.5 * flops, mem_fb)):
                         r = {"impl": name, "pass": pass_, "dtype": dname, "b": b, "h": h, "h_kv": h,
                              "s_q": s, "s_kv": s, "d": d, "causal": causal, "ms": ms,
-                             "tflops": fl / ms / 1e9, "peak_extra_mib": mem if pass_ == "fwd" else None}
+                             "tflops": fl / ms / 1e9, "peak_extra_mib": peak}
                         records.append(r)
                         print(f"{dname} b{b} h{h} s{s} d{d} causal={causal} {name:>12} {pass_:>7}: {ms:9.3f} ms {r['tflops']:7.1f} TFLOP/s", flush=True)
 json.dump(records, open(a.json, "w"), indent=1)

@@ -1,7 +1,13 @@
 //! Fused-op benchmark: our kernels against Burn's `module::attention` and materialized
-//! attention, in one process, forward and forward+backward, over a grid of problems.
-//! FLOPs as FlashAttention's benchmark: forward 4·b·h·s²·d (halved when causal), backward
-//! 2.5× forward. Median time over repeated runs after a warm-up, device synced around each.
+//! attention, in one process, forward, backward and forward+backward, over a grid of
+//! problems. FLOPs as FlashAttention's benchmark: forward 4·b·h·s²·d (halved when causal),
+//! backward 2.5× forward. Median time over repeated runs after a warm-up, device synced
+//! around each. The backward time is the forward+backward median minus the forward median
+//! (Burn's autodiff graph is consumed by `backward`, so the backward cannot be rerun alone).
+//!
+//! Memory per call, from CubeCL's memory report: `held_extra_mib`, what the outputs hold
+//! after the call; `peak_extra_mib`, how far the device memory reserved by the call grew
+//! from a cleaned-up pool (an upper bound of the transient peak at the pool's page size).
 //!
 //!     cargo run --release --features cuda --example bench -- --device cuda --json out.json
 
@@ -35,8 +41,8 @@ struct Args {
     /// Implementations: ours, burn, materialized.
     #[arg(long, value_delimiter = ',', default_values = ["ours", "burn", "materialized"])]
     impls: Vec<String>,
-    /// Passes: fwd, fwd_bwd.
-    #[arg(long, value_delimiter = ',', default_values = ["fwd", "fwd_bwd"])]
+    /// Passes: fwd, bwd, fwd_bwd.
+    #[arg(long, value_delimiter = ',', default_values = ["fwd", "bwd", "fwd_bwd"])]
     passes: Vec<String>,
     /// Tokens per problem (b·s).
     #[arg(long, default_value_t = 16384)]
@@ -71,6 +77,7 @@ struct Record {
     ms: f64,
     tflops: f64,
     peak_extra_mib: Option<f64>,
+    held_extra_mib: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -79,6 +86,7 @@ struct Header {
     card: String,
     date: String,
     commit: String,
+    driver: String,
     device: String,
 }
 
@@ -111,30 +119,49 @@ fn dtype(name: &str) -> FloatDType {
     }
 }
 
-fn bytes_in_use(client: &Option<cubecl::client::Client>) -> Option<u64> {
+/// (bytes in use, bytes reserved) on the device.
+fn memory(client: &Option<cubecl::client::Client>) -> Option<(u64, u64)> {
     client.as_ref().map(|c| {
-        c.memory_report(cubecl::MemoryScope::Device)
-            .usage()
-            .bytes_in_use
+        let usage = c.memory_report(cubecl::MemoryScope::Device).usage();
+        (usage.bytes_in_use, usage.bytes_reserved)
     })
 }
 
-/// Median seconds of `f` (warmed up, device synced), and the device memory its outputs hold
-/// (bytes in use with the outputs alive minus before the call; None where not measurable).
+/// One measured point: median seconds, and the memory of one call (see the module docs).
+struct Measure {
+    seconds: f64,
+    held_extra_mib: Option<f64>,
+    peak_extra_mib: Option<f64>,
+}
+
+fn mib(bytes: i64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+/// Measures `f` (warmed up, device synced).
 fn measure(
     dev: &Device,
     client: &Option<cubecl::client::Client>,
     seconds: f64,
     mut f: impl FnMut() -> Vec<Tensor<4>>,
-) -> (f64, Option<f64>) {
+) -> Measure {
     drop(f());
     dev.sync().unwrap();
-    let before = bytes_in_use(client);
+    if let Some(c) = client {
+        c.memory_cleanup().unwrap();
+    }
+    let before = memory(client);
     let out = f();
     dev.sync().unwrap();
-    let extra = match (before, bytes_in_use(client)) {
-        (Some(a), Some(b)) => Some((b as f64 - a as f64) / (1 << 20) as f64),
-        _ => None,
+    let after = memory(client);
+    let (held_extra_mib, peak_extra_mib) = match (before, after) {
+        (Some((used0, reserved0)), Some((used1, reserved1))) => (
+            Some(mib(used1 as i64 - used0 as i64)),
+            Some(mib(
+                (reserved1 as i64 - reserved0 as i64).max(used1 as i64 - used0 as i64)
+            )),
+        ),
+        _ => (None, None),
     };
     drop(out);
     let mut times = Vec::new();
@@ -147,7 +174,11 @@ fn measure(
         drop(out);
     }
     times.sort_by(f64::total_cmp);
-    (times[times.len() / 2], extra)
+    Measure {
+        seconds: times[times.len() / 2],
+        held_extra_mib,
+        peak_extra_mib,
+    }
 }
 
 fn main() {
@@ -164,6 +195,7 @@ fn main() {
             card: card.clone(),
             date: std::env::var("BENCH_DATE").unwrap_or_default(),
             commit: std::env::var("BENCH_COMMIT").unwrap_or_default(),
+            driver: std::env::var("BENCH_DRIVER").unwrap_or_default(),
             device: args.device.clone(),
         })
         .unwrap(),
@@ -194,42 +226,56 @@ fn main() {
             if imp == "materialized" && s > args.materialized_max_seq {
                 continue;
             }
-            for pass in &args.passes {
-                let opts = FlashAttentionOptions::default().with_causal(causal);
-                let burn_opts = AttentionModuleOptions {
-                    scale: None,
-                    softcap: None,
-                    is_causal: causal,
-                };
-                let forward = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>| match imp.as_str() {
-                    "ours" => flash_attention(q, k, v, opts),
-                    "burn" => attention(q, k, v, None, None, burn_opts),
-                    _ => attention_fallback(q, k, v, None, None, burn_opts),
-                };
-                let (time, extra_mib) = if pass == "fwd" {
-                    measure(&dev, &client, args.seconds, || {
-                        vec![forward(q.clone(), k.clone(), v.clone())]
-                    })
-                } else {
-                    let (qa, ka, va) = (
-                        q.clone().autodiff().require_grad(),
-                        k.clone().autodiff().require_grad(),
-                        v.clone().autodiff().require_grad(),
-                    );
-                    measure(&dev, &client, args.seconds, || {
-                        let o = forward(qa.clone(), ka.clone(), va.clone());
-                        let grads = o.sum().backward();
-                        vec![
-                            qa.grad(&grads).unwrap(),
-                            ka.grad(&grads).unwrap(),
-                            va.grad(&grads).unwrap(),
-                        ]
-                    })
-                };
-                let fl = if pass == "fwd" { flops } else { 3.5 * flops };
+            let opts = FlashAttentionOptions::default().with_causal(causal);
+            let burn_opts = AttentionModuleOptions {
+                scale: None,
+                softcap: None,
+                is_causal: causal,
+            };
+            let forward = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>| match imp.as_str() {
+                "ours" => flash_attention(q, k, v, opts),
+                "burn" => attention(q, k, v, None, None, burn_opts),
+                _ => attention_fallback(q, k, v, None, None, burn_opts),
+            };
+            let wants = |p: &str| args.passes.iter().any(|x| x == p);
+            let fwd = (wants("fwd") || wants("bwd")).then(|| {
+                measure(&dev, &client, args.seconds, || {
+                    vec![forward(q.clone(), k.clone(), v.clone())]
+                })
+            });
+            let fwd_bwd = (wants("fwd_bwd") || wants("bwd")).then(|| {
+                let (qa, ka, va) = (
+                    q.clone().autodiff().require_grad(),
+                    k.clone().autodiff().require_grad(),
+                    v.clone().autodiff().require_grad(),
+                );
+                measure(&dev, &client, args.seconds, || {
+                    let o = forward(qa.clone(), ka.clone(), va.clone());
+                    let grads = o.sum().backward();
+                    vec![
+                        qa.grad(&grads).unwrap(),
+                        ka.grad(&grads).unwrap(),
+                        va.grad(&grads).unwrap(),
+                    ]
+                })
+            });
+            let bwd = match (&fwd, &fwd_bwd) {
+                (Some(f), Some(fb)) if wants("bwd") => Some(Measure {
+                    seconds: (fb.seconds - f.seconds).max(f64::MIN_POSITIVE),
+                    held_extra_mib: None,
+                    peak_extra_mib: None,
+                }),
+                _ => None,
+            };
+            for (pass, m, factor) in [
+                ("fwd", fwd.filter(|_| wants("fwd")), 1.0),
+                ("bwd", bwd, 2.5),
+                ("fwd_bwd", fwd_bwd.filter(|_| wants("fwd_bwd")), 3.5),
+            ] {
+                let Some(m) = m else { continue };
                 let rec = Record {
                     implementation: imp.clone(),
-                    pass: pass.clone(),
+                    pass: pass.into(),
                     dtype: dt.clone(),
                     b,
                     h,
@@ -238,12 +284,13 @@ fn main() {
                     s_kv: s,
                     d,
                     causal,
-                    ms: time * 1e3,
-                    tflops: fl / time / 1e12,
-                    peak_extra_mib: extra_mib,
+                    ms: m.seconds * 1e3,
+                    tflops: factor * flops / m.seconds / 1e12,
+                    peak_extra_mib: m.peak_extra_mib,
+                    held_extra_mib: m.held_extra_mib,
                 };
-                println!(
-                    "[{}/{total}] {dt} b{b} h{h}/{h_kv} s{s} d{d} causal={causal} {imp:>12} {pass:>7}: {:9.3} ms {:7.1} TFLOP/s  extra {}",
+                eprintln!(
+                    "[{}/{total}] {dt} b{b} h{h}/{h_kv} s{s} d{d} causal={causal} {imp:>12} {pass:>7}: {:9.3} ms {:7.1} TFLOP/s  peak {}",
                     n + 1,
                     rec.ms,
                     rec.tflops,

@@ -41,7 +41,11 @@ fn write_sources(target: Target) -> PathBuf {
         target.name(),
         errors.join("\n")
     );
-    eprintln!("{}: {count} kernel sources in {}", target.name(), dir.display());
+    eprintln!(
+        "{}: {count} kernel sources in {}",
+        target.name(),
+        dir.display()
+    );
     dir
 }
 
@@ -56,7 +60,11 @@ fn compile(target: Target, dir: &Path) {
     let mut cmd = Command::new("python3");
     cmd.arg(&script);
     match target.language() {
-        Language::Cuda => cmd.arg("--cuda-dir").arg(dir).arg("--arch").arg(target.name()),
+        Language::Cuda => cmd
+            .arg("--cuda-dir")
+            .arg(dir)
+            .arg("--arch")
+            .arg(target.name()),
         Language::Hip => cmd
             .arg("--hip-dir")
             .arg(dir)
@@ -122,7 +130,11 @@ fn tiles_fit_every_target() {
     for target in Target::ALL.into_iter().filter(|t| is_supported(*t)) {
         let props = target.properties();
         let limits = DeviceLimits::from_properties(&props);
-        let plane = if target.language() == Language::Hip { 64 } else { 32 };
+        let plane = if target.language() == Language::Hip {
+            64
+        } else {
+            32
+        };
         assert_eq!(limits.plane_size, plane, "{target:?}");
         assert!(limits.plane_size % FRAGMENT == 0);
         for dtype in [FloatDtype::F16, FloatDtype::BF16] {

@@ -20,9 +20,8 @@ use cubecl_cpp::shared::{
 };
 
 use crate::backward::{
-    dkdv_mma_config, dkdv_portable_config, dq_mma_config, dq_portable_config,
-    flash_backward_delta, flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dq,
-    flash_backward_dq_cmma,
+    dkdv_mma_config, dkdv_portable_config, dq_mma_config, dq_portable_config, flash_backward_delta,
+    flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dq, flash_backward_dq_cmma,
 };
 use crate::config::DeviceLimits;
 use crate::forward::{flash_forward, flash_forward_cmma, mma_config, portable_config};
