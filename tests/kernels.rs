@@ -321,3 +321,66 @@ fn a_missing_tensor_core_path_is_an_error() {
         assert!(err.to_string().contains("cmma"), "{err}");
     }
 }
+
+fn bytes_in_use(client: &Client) -> u64 {
+    cubecl::future::block_on(client.sync()).expect("device synced");
+    client
+        .memory_report(cubecl::MemoryScope::Device)
+        .usage()
+        .bytes_in_use
+}
+
+/// Extra device memory of the calls, on every path of the device: the forward holds O and
+/// the LSE and nothing else; the backward holds dQ, dK and dV, its transient D
+/// (`[b, h_q, s_q]` f32) freed; no `s × s` buffer anywhere.
+#[test]
+fn calls_allocate_only_their_outputs() {
+    let client = common::client();
+    let case = common::catalogue()[8]; // GQA 8/2, causal window, d_v ≠ d_qk
+    let (_, mut rng) = common::rng();
+    let dtype = *common::dtypes(&client).last().unwrap();
+    let d = &case.dims;
+    let x = inputs(&case, dtype, &mut rng);
+    let (qs, ks, vs, os) = shapes(&case);
+    let (q, k, v) = (
+        upload(&client, &x.q, &qs, dtype),
+        upload(&client, &x.k, &ks, dtype),
+        upload(&client, &x.v, &vs, dtype),
+    );
+    let d_out = upload(&client, &x.d_out, &os, dtype);
+    let size = |shape: &[usize], elem: usize| (shape.iter().product::<usize>() * elem) as u64;
+    // Allocations may be rounded up to the device's alignment.
+    let slack = |n: u64| n * 512;
+    for path in common::paths(&client, dtype) {
+        let before = bytes_in_use(&client);
+        let fwd = forward(&client, &q, &k, &v, dtype, case.options(), path).unwrap();
+        let after_forward = bytes_in_use(&client);
+        let want = size(&os, dtype.size()) + size(&os[..3], 4);
+        let got = after_forward - before;
+        assert!(
+            (want..=want + slack(2)).contains(&got),
+            "{path:?} {dtype:?}: forward holds {got} bytes, O + LSE are {want}"
+        );
+        let saved = Saved {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &fwd.out,
+            lse: &fwd.lse,
+        };
+        let grads = backward(&client, saved, &d_out, dtype, case.options(), path).unwrap();
+        let got = bytes_in_use(&client) - after_forward;
+        let want = size(&qs, dtype.size()) + size(&ks, dtype.size()) + size(&vs, dtype.size());
+        assert!(
+            (want..=want + slack(3)).contains(&got),
+            "{path:?} {dtype:?}: backward holds {got} bytes, dQ + dK + dV are {want} (D would be {})",
+            size(&os[..3], 4)
+        );
+        eprintln!(
+            "{path:?} {dtype:?} {d:?}: forward +{} B (O + LSE), backward +{got} B (dQ, dK, dV)",
+            after_forward - before
+        );
+        drop(grads);
+        drop(fwd);
+    }
+}
