@@ -311,6 +311,62 @@ mod tests {
     }
 
     #[test]
+    fn mma_tiles_fit_shared_memory_on_every_device() {
+        let kernels: [(&str, fn(&MmaConfig, usize) -> usize); 3] = [
+            ("forward", crate::forward::cmma_shared_bytes),
+            ("dK/dV", crate::backward::dkdv_cmma_shared_bytes),
+            ("dQ", crate::backward::dq_cmma_shared_bytes),
+        ];
+        for limits in [NVIDIA, AMD] {
+            for d in [40, 64, 96, 111, 128, 256] {
+                for dtype in [FloatDtype::F16, FloatDtype::BF16] {
+                    let mut p = problem(d, d);
+                    p.dtype = dtype;
+                    for (name, bytes) in kernels {
+                        let c = choose_mma_tiles(&p, &limits, bytes).unwrap();
+                        assert!(
+                            bytes(&c, 2) <= limits.max_shared_memory,
+                            "{name} {limits:?} d={d}"
+                        );
+                        assert!(c.units() <= limits.max_units_per_cube);
+                        assert_eq!(c.plane_size, limits.plane_size);
+                        assert_eq!(c.block_stream % FRAGMENT, 0);
+                        assert_eq!(c.dim_qk_padded() % FRAGMENT, 0);
+                        assert!(c.dim_qk_padded() >= d && c.dim_qk_padded() < d + FRAGMENT);
+                        assert_eq!(c.units_per_row(), limits.plane_size / FRAGMENT);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_path_follows_the_device() {
+        use KernelPath::*;
+        assert_eq!(choose_path(Auto, FloatDtype::BF16, &NVIDIA), Ok(TensorCore));
+        assert_eq!(choose_path(Auto, FloatDtype::F16, &AMD), Ok(TensorCore));
+        assert_eq!(choose_path(Auto, FloatDtype::F32, &NVIDIA), Ok(Portable));
+        assert_eq!(choose_path(Auto, FloatDtype::BF16, &WEBGPU), Ok(Portable));
+        assert_eq!(
+            choose_path(Portable, FloatDtype::BF16, &NVIDIA),
+            Ok(Portable)
+        );
+        assert!(matches!(
+            choose_path(TensorCore, FloatDtype::F32, &NVIDIA),
+            Err(FlashError::Unavailable(_))
+        ));
+        assert!(matches!(
+            choose_path(TensorCore, FloatDtype::BF16, &WEBGPU),
+            Err(FlashError::Unavailable(_))
+        ));
+        let p = problem(64, 64);
+        assert!(matches!(
+            choose_mma_tiles(&p, &WEBGPU, crate::forward::cmma_shared_bytes),
+            Err(FlashError::Unavailable(_))
+        ));
+    }
+
+    #[test]
     fn too_little_shared_memory_is_an_error() {
         let tiny = DeviceLimits {
             max_shared_memory: 1000,

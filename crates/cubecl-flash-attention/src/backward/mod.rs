@@ -27,9 +27,9 @@ use crate::launch::{DeviceTensor, check_dtype, expect_shape, grid, softcap_arg, 
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use dkdv::flash_backward_dkdv;
-pub use dkdv_cmma::flash_backward_dkdv_cmma;
+pub use dkdv_cmma::{flash_backward_dkdv_cmma, shared_bytes as dkdv_cmma_shared_bytes};
 pub use dq::flash_backward_dq;
-pub use dq_cmma::flash_backward_dq_cmma;
+pub use dq_cmma::{flash_backward_dq_cmma, shared_bytes as dq_cmma_shared_bytes};
 pub use preprocess::flash_backward_delta;
 
 /// Gradients of Q, K and V, contiguous, in the input dtype.
