@@ -126,6 +126,69 @@ impl Mask {
     }
 }
 
+/// A run of `count` blocks of `size` rows, the first starting at row `first`.
+#[derive(CubeType, Clone, Copy)]
+pub struct Blocks {
+    pub first: i32,
+    pub count: i32,
+}
+
+#[cube]
+impl Blocks {
+    /// The blocks of `size` rows that cover `[first, last)`.
+    pub fn covering(first: i32, last: i32, #[comptime] size: usize) -> Blocks {
+        let size = i32::cast_from(size);
+        Blocks {
+            first,
+            count: (max(last - first, 0) + size - 1) / size,
+        }
+    }
+
+    /// First row of block `block`.
+    pub fn start(&self, block: i32, #[comptime] size: usize) -> i32 {
+        self.first + block * i32::cast_from(size)
+    }
+}
+
+#[cube]
+impl Mask {
+    /// The key blocks of `size` keys the queries `[q_begin, q_end)` visit: every key, or with
+    /// `masked` only the range some of them see.
+    pub fn key_blocks(
+        &self,
+        q_begin: usize,
+        q_end: usize,
+        #[comptime] size: usize,
+        #[comptime] masked: bool,
+    ) -> Blocks {
+        let mut first = 0i32;
+        let mut last = self.seq_kv;
+        if masked {
+            first = self.key_begin(i32::cast_from(q_begin));
+            last = self.key_end(i32::cast_from(q_end));
+        }
+        Blocks::covering(first, last, size)
+    }
+
+    /// The query blocks of `size` queries that see any key of `[k_begin, k_end)` (every
+    /// query unless `masked`).
+    pub fn query_blocks(
+        &self,
+        k_begin: usize,
+        k_end: usize,
+        #[comptime] size: usize,
+        #[comptime] masked: bool,
+    ) -> Blocks {
+        let mut first = 0i32;
+        let mut last = self.seq_q;
+        if masked {
+            first = self.query_begin(i32::cast_from(k_begin));
+            last = self.query_end(i32::cast_from(k_end));
+        }
+        Blocks::covering(first, last, size)
+    }
+}
+
 #[cube]
 fn clamp(x: i32, low: i32, high: i32) -> i32 {
     max(low, min(x, high))

@@ -11,7 +11,7 @@
 use cubecl::cmma::{self, Matrix, MatrixIdent, MatrixLayout};
 use cubecl::prelude::*;
 
-use crate::config::FRAGMENT;
+use crate::config::{FRAGMENT, MmaConfig};
 
 /// Alignment of shared tiles read or written as fragments (32-byte addresses).
 pub const SHARED_ALIGN: usize = 32;
@@ -197,5 +197,31 @@ pub fn store_accumulators(
             out_stride as u32,
             MatrixLayout::RowMajor,
         );
+    }
+}
+
+/// Where a unit works in a tensor-core kernel: each plane owns 16 rows of the cube's tile,
+/// and each of those rows is shared by `units_per_row` neighbouring units of the plane.
+#[derive(CubeType, Clone, Copy)]
+pub struct PlaneRow {
+    /// First row of the unit's plane in the cube's tile.
+    pub plane_first: usize,
+    /// The unit's row in the cube's tile.
+    pub row: usize,
+    /// Which of the row's `units_per_row` parts the unit owns.
+    pub part: usize,
+}
+
+#[cube]
+impl PlaneRow {
+    pub fn new(#[comptime] config: MmaConfig) -> PlaneRow {
+        let per_row = comptime!(config.units_per_row());
+        let plane_first = UNIT_POS as usize / config.plane_size * FRAGMENT;
+        let lane = UNIT_POS as usize % config.plane_size;
+        PlaneRow {
+            plane_first,
+            row: plane_first + lane / per_row,
+            part: lane % per_row,
+        }
     }
 }

@@ -163,8 +163,6 @@ pub fn stage_rows<F: Float>(
     let seq = t.shape(2);
     let base = batch * t.stride(0) + head * t.stride(1);
     let (row_stride, col_stride) = (t.stride(2), t.stride(3));
-    // Unrolled, so that the loads of all steps are in flight together.
-    #[unroll]
     for step in 0..(rows * padded).div_ceil(units) {
         let idx = step * units + UNIT_POS as usize;
         if idx < rows * padded {
@@ -198,7 +196,6 @@ pub fn write_rows<F: Float>(
     let seq = t.shape(2);
     let base = batch * t.stride(0) + head * t.stride(1);
     let (row_stride, col_stride) = (t.stride(2), t.stride(3));
-    #[unroll]
     for step in 0..(rows * dim).div_ceil(units) {
         let idx = step * units + UNIT_POS as usize;
         let r = idx / dim;

@@ -68,20 +68,13 @@ pub fn flash_backward_dkdv<F: Float>(
     let mut delta_tile = Shared::<[f32]>::new_slice(block_q);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let mut q_first = 0i32;
-    let mut q_last = i32::cast_from(seq_q);
-    if config.masked {
-        q_first = mask.query_begin(i32::cast_from(k_begin));
-        q_last = mask.query_end(i32::cast_from(k_end));
-    }
-    let num_blocks =
-        (max(q_last - q_first, 0) + i32::cast_from(block_q) - 1) / i32::cast_from(block_q);
+    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked);
     let key_i = i32::cast_from(key);
 
     for g in 0..group {
         let head_q = head_kv * group + g;
-        for block in 0..num_blocks {
-            let q0 = q_first + block * i32::cast_from(block_q);
+        for block in 0..blocks.count {
+            let q0 = blocks.start(block, block_q);
             let q0_u = usize::cast_from(q0);
             sync_cube();
             load_rows(

@@ -14,7 +14,8 @@ use cubecl::prelude::*;
 use crate::config::{FRAGMENT, MmaConfig};
 use crate::mask::Mask;
 use crate::mma::{
-    Operand, SHARED_ALIGN, accumulate, product_to_shared, store_accumulators, zero_accumulators,
+    Operand, PlaneRow, SHARED_ALIGN, accumulate, product_to_shared, store_accumulators,
+    zero_accumulators,
 };
 use crate::score::{score, score_grad};
 use crate::tile::{load_vector, stage_rows, write_rows};
@@ -71,11 +72,8 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     let per_row = comptime!(config.units_per_row());
     let cols = comptime!(block_q / config.units_per_row());
 
-    let plane = UNIT_POS as usize / config.plane_size;
-    let lane = UNIT_POS as usize % config.plane_size;
-    let part = lane % per_row;
-    let plane_row0 = plane * FRAGMENT;
-    let my_key = plane_row0 + lane / per_row;
+    let unit = PlaneRow::new(config);
+    let (plane_row0, my_key, part) = (unit.plane_first, unit.row, unit.part);
 
     let seq_q = q.shape(2);
     let seq_kv = k.shape(2);
@@ -126,19 +124,12 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     let dv_acc = zero_accumulators(dv_p / FRAGMENT);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let mut q_first = 0i32;
-    let mut q_last = i32::cast_from(seq_q);
-    if config.masked {
-        q_first = mask.query_begin(i32::cast_from(k_begin));
-        q_last = mask.query_end(i32::cast_from(k_end));
-    }
-    let num_blocks =
-        (max(q_last - q_first, 0) + i32::cast_from(block_q) - 1) / i32::cast_from(block_q);
+    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked);
 
     for g in 0..group {
         let head_q = head_kv * group + g;
-        for block in 0..num_blocks {
-            let q0 = q_first + block * i32::cast_from(block_q);
+        for block in 0..blocks.count {
+            let q0 = blocks.start(block, block_q);
             let q0_u = usize::cast_from(q0);
             sync_cube();
             stage_rows(

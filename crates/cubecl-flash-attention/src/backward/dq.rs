@@ -75,18 +75,11 @@ pub fn flash_backward_dq<F: Float>(
     let mut v_tile = Shared::<[f32]>::new_slice(block_k * dim_v);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let mut k_begin = 0i32;
-    let mut k_end = i32::cast_from(seq_kv);
-    if config.masked {
-        k_begin = mask.key_begin(i32::cast_from(q_begin));
-        k_end = mask.key_end(i32::cast_from(q_end));
-    }
-    let num_blocks =
-        (max(k_end - k_begin, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
+    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
     let row_i = i32::cast_from(row);
 
-    for block in 0..num_blocks {
-        let k0 = k_begin + block * i32::cast_from(block_k);
+    for block in 0..blocks.count {
+        let k0 = blocks.start(block, block_k);
         sync_cube();
         load_key_value_block(
             k,

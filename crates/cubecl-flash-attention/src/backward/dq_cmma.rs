@@ -9,7 +9,8 @@ use cubecl::prelude::*;
 use crate::config::{FRAGMENT, MmaConfig};
 use crate::mask::Mask;
 use crate::mma::{
-    Operand, SHARED_ALIGN, accumulate, product_to_shared, store_accumulators, zero_accumulators,
+    Operand, PlaneRow, SHARED_ALIGN, accumulate, product_to_shared, store_accumulators,
+    zero_accumulators,
 };
 use crate::score::{score, score_grad};
 use crate::tile::{Head, row_offset, stage_rows, write_rows};
@@ -59,11 +60,8 @@ pub fn flash_backward_dq_cmma<F: Float>(
     let per_row = comptime!(config.units_per_row());
     let cols = comptime!(block_k / config.units_per_row());
 
-    let plane = UNIT_POS as usize / config.plane_size;
-    let lane = UNIT_POS as usize % config.plane_size;
-    let part = lane % per_row;
-    let plane_row0 = plane * FRAGMENT;
-    let my_row = plane_row0 + lane / per_row;
+    let unit = PlaneRow::new(config);
+    let (plane_row0, my_row, part) = (unit.plane_first, unit.row, unit.part);
 
     let seq_q = q.shape(2);
     let seq_kv = k.shape(2);
@@ -110,18 +108,11 @@ pub fn flash_backward_dq_cmma<F: Float>(
     let dq_acc = zero_accumulators(dqk / FRAGMENT);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let mut k_first = 0i32;
-    let mut k_last = i32::cast_from(seq_kv);
-    if config.masked {
-        k_first = mask.key_begin(i32::cast_from(q_begin));
-        k_last = mask.key_end(i32::cast_from(q_end));
-    }
-    let num_blocks =
-        (max(k_last - k_first, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
+    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
     let row_i = i32::cast_from(row);
 
-    for block in 0..num_blocks {
-        let k0 = k_first + block * i32::cast_from(block_k);
+    for block in 0..blocks.count {
+        let k0 = blocks.start(block, block_k);
         let k0_u = usize::cast_from(k0);
         sync_cube();
         stage_rows(

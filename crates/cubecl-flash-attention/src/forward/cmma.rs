@@ -17,7 +17,7 @@ use cubecl::prelude::*;
 
 use crate::config::{FRAGMENT, MmaConfig};
 use crate::mask::Mask;
-use crate::mma::{Operand, SHARED_ALIGN, product_to_shared};
+use crate::mma::{Operand, PlaneRow, SHARED_ALIGN, product_to_shared};
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability, row_reduce_max, row_reduce_sum};
 use crate::tile::{Head, stage_rows};
@@ -64,12 +64,8 @@ pub fn flash_forward_cmma<F: Float>(
     let s_cols = comptime!(block_k / config.units_per_row());
     let o_cols = comptime!(dv / config.units_per_row());
 
-    let plane = UNIT_POS as usize / config.plane_size;
-    let lane = UNIT_POS as usize % config.plane_size;
-    let tile_row = lane / per_row;
-    let part = lane % per_row;
-    let plane_row0 = plane * FRAGMENT;
-    let my_row = plane_row0 + tile_row;
+    let unit = PlaneRow::new(config);
+    let (plane_row0, my_row, part) = (unit.plane_first, unit.row, unit.part);
 
     let seq_q = q.shape(2);
     let seq_kv = k.shape(2);
@@ -106,18 +102,11 @@ pub fn flash_forward_cmma<F: Float>(
     let mut state = RunningState::init();
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let mut k_begin = 0i32;
-    let mut k_end = i32::cast_from(seq_kv);
-    if config.masked {
-        k_begin = mask.key_begin(i32::cast_from(q_begin));
-        k_end = mask.key_end(i32::cast_from(q_end));
-    }
-    let num_blocks =
-        (max(k_end - k_begin, 0) + i32::cast_from(block_k) - 1) / i32::cast_from(block_k);
+    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
     let row_i = i32::cast_from(row);
 
-    for block in 0..num_blocks {
-        let k0 = k_begin + block * i32::cast_from(block_k);
+    for block in 0..blocks.count {
+        let k0 = blocks.start(block, block_k);
         let k0_u = usize::cast_from(k0);
 
         sync_cube();
@@ -164,7 +153,7 @@ pub fn flash_forward_cmma<F: Float>(
         sync_plane();
 
         // 2. Online softmax over the plane's rows; this unit holds columns
-        //    `part, part + per_row, …` of row `tile_row`.
+        //    `part, part + per_row, …` of its row.
         let needs_mask = !mask.is_block_visible(
             i32::cast_from(q_begin),
             i32::cast_from(q_end),
