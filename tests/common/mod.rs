@@ -97,17 +97,22 @@ pub fn dtypes(client: &cubecl::client::Client) -> Vec<FloatDtype> {
         .collect()
 }
 
-/// The kernel paths the device runs `dtype` on: portable everywhere, tensor cores where the
-/// device has them. `FLASH_PATH=portable|tensor-core` keeps one.
+/// The kernel paths the device runs `dtype` on: portable everywhere, tensor cores (`cmma`,
+/// and register-level `mma.sync`) where the device has them.
+/// `FLASH_PATH=portable|tensor-core|register-mma` keeps one.
 pub fn paths(client: &cubecl::client::Client, dtype: FloatDtype) -> Vec<KernelPath> {
     let limits = DeviceLimits::from_properties(client.properties());
     let mut paths = vec![KernelPath::Portable];
     if limits.has_tensor_cores(dtype) {
         paths.push(KernelPath::TensorCore);
     }
+    if limits.has_register_mma(dtype) {
+        paths.push(KernelPath::RegisterMma);
+    }
     match std::env::var("FLASH_PATH").as_deref() {
         Ok("portable") => paths.retain(|p| *p == KernelPath::Portable),
         Ok("tensor-core") => paths.retain(|p| *p == KernelPath::TensorCore),
+        Ok("register-mma") => paths.retain(|p| *p == KernelPath::RegisterMma),
         _ => {}
     }
     paths

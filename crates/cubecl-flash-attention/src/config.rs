@@ -15,6 +15,11 @@ pub enum KernelPath {
     /// Tensor cores through CubeCL's `cmma` (16×16×16 f16/bf16 fragments, f32 accumulation;
     /// wmma on CUDA, rocWMMA on HIP). Score tiles pass through shared memory for the softmax.
     TensorCore,
+    /// Register-level tensor-core instructions (`mma.sync` m16n8k16, `ldmatrix`, `cp.async`;
+    /// CUDA sm_80 and later): scores, probabilities and the output stay in registers, K/V
+    /// tiles are double-buffered in shared memory. Forward only: the backward of this path
+    /// runs the `TensorCore` kernels.
+    RegisterMma,
 }
 
 /// What the tile heuristic needs to know about a device.
@@ -33,6 +38,10 @@ pub struct DeviceLimits {
     /// 16×16×16 `cmma` fragments with f32 accumulation, for f16 and for bf16 inputs.
     pub cmma_f16: bool,
     pub cmma_bf16: bool,
+    /// Register-level m16n8k16 products with f32 accumulation plus `ldmatrix`, for f16 and
+    /// bf16 inputs, and asynchronous global→shared copies (CUDA sm_80+).
+    pub mma_sync_f16: bool,
+    pub mma_sync_bf16: bool,
 }
 
 impl DeviceLimits {
@@ -48,7 +57,21 @@ impl DeviceLimits {
                 .contains(cubecl::ir::features::Plane::Ops),
             cmma_f16: has_cmma(props, FloatDtype::F16),
             cmma_bf16: has_cmma(props, FloatDtype::BF16),
+            mma_sync_f16: has_mma_sync(props, FloatDtype::F16),
+            mma_sync_bf16: has_mma_sync(props, FloatDtype::BF16),
         }
+    }
+
+    /// Whether the register-level path can run `dtype` on this device. Its fragment layouts
+    /// are the PTX ones, defined for planes of 32 units.
+    pub fn has_register_mma(&self, dtype: FloatDtype) -> bool {
+        self.plane_ops
+            && self.plane_size == MMA_SYNC_PLANE
+            && match dtype {
+                FloatDtype::F16 => self.mma_sync_f16,
+                FloatDtype::BF16 => self.mma_sync_bf16,
+                FloatDtype::F32 => false,
+            }
     }
 
     /// Whether the tensor-core path can run `dtype` on this device.
@@ -72,6 +95,20 @@ fn has_cmma(props: &cubecl::prelude::DeviceProperties, dtype: FloatDtype) -> boo
             && c.cd_type == acc
             && (c.m, c.n, c.k) == (FRAGMENT as u32, FRAGMENT as u32, FRAGMENT as u32)
     })
+}
+
+fn has_mma_sync(props: &cubecl::prelude::DeviceProperties, dtype: FloatDtype) -> bool {
+    let elem = dtype.elem_type();
+    let acc = FloatDtype::F32.elem_type();
+    let matmul = &props.features.matmul;
+    props.features.copy_async
+        && matmul.ldmatrix.contains(&elem)
+        && matmul.mma.iter().any(|c| {
+            c.a_type == elem
+                && c.b_type == elem
+                && c.cd_type == acc
+                && (c.m, c.n, c.k) == (16, 8, 16)
+        })
 }
 
 /// The compile-time configuration of one portable kernel variant.
@@ -238,6 +275,135 @@ pub fn choose_mma_tiles(
     )))
 }
 
+/// Units of a plane the register-level path is written for: `mma.sync` and `ldmatrix` are
+/// warp-wide instructions with fixed fragment layouts over 32 lanes.
+pub const MMA_SYNC_PLANE: usize = 32;
+
+/// The compile-time configuration of one register-level (`mma.sync`) kernel variant.
+///
+/// Each of the cube's `planes` planes owns `16 · m_tiles` query rows; key/value blocks of
+/// `block_kv` rows are double-buffered in shared memory. Head dims are padded to 16 in
+/// shared memory (zeros), and must be a multiple of 8 in memory (16-byte copies).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RegisterMmaConfig {
+    pub planes: usize,
+    /// 16-row tiles of queries per plane: two halve the shared-memory reads per product.
+    pub m_tiles: usize,
+    pub block_kv: usize,
+    pub dim_qk: usize,
+    pub dim_v: usize,
+    pub masked: bool,
+    pub softcap: bool,
+    /// Keep the plane's Q fragments in registers for the whole loop (otherwise they are
+    /// re-read from shared memory per key block).
+    pub q_in_registers: bool,
+    /// PTX type of the inputs: `bf16` or `f16`.
+    pub ptx_type: &'static str,
+    pub pure_mma: bool,
+    pub fast_exp: bool,
+}
+
+impl RegisterMmaConfig {
+    pub fn block_rows(&self) -> usize {
+        self.planes * FRAGMENT * self.m_tiles
+    }
+    pub fn units(&self) -> usize {
+        self.planes * MMA_SYNC_PLANE
+    }
+    pub fn dim_qk_padded(&self) -> usize {
+        self.dim_qk.next_multiple_of(FRAGMENT)
+    }
+    pub fn dim_v_padded(&self) -> usize {
+        self.dim_v.next_multiple_of(FRAGMENT)
+    }
+    /// Row stride in shared memory: 16 bytes more than the row, so that the eight 16-byte
+    /// rows one `ldmatrix` reads fall in different banks.
+    pub fn stride(dim: usize) -> usize {
+        dim + 8
+    }
+    /// Bytes of shared memory of the forward kernel with `elem`-byte inputs: Q, and two
+    /// stages of K and V.
+    pub fn forward_shared_bytes(&self, elem: usize) -> usize {
+        let qk = Self::stride(self.dim_qk_padded());
+        let v = Self::stride(self.dim_v_padded());
+        elem * (self.block_rows() * qk + 2 * self.block_kv * (qk + v))
+    }
+    /// f32 registers of one unit's accumulators and fragments (scores, output, Q).
+    pub fn accumulator_registers(&self) -> usize {
+        let scores = self.m_tiles * self.block_kv / 2;
+        let output = self.m_tiles * self.dim_v_padded() / 2;
+        let q = if self.q_in_registers {
+            self.m_tiles * self.dim_qk_padded() / 4
+        } else {
+            0
+        };
+        scores + output + q
+    }
+}
+
+/// Registers a unit may spend on accumulators and fragments, out of the 255 a CUDA thread
+/// has: the rest holds addresses, the softmax state and the operands in flight.
+const MMA_SYNC_REGISTER_BUDGET: usize = 192;
+
+/// Picks the register-level tiles for `problem`: 4 planes; two 16-row query tiles per plane
+/// and 64-key blocks where the accumulators fit the register budget, one tile and smaller
+/// blocks for large head dims.
+pub fn choose_register_mma_tiles(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<RegisterMmaConfig, FlashError> {
+    if !limits.has_register_mma(problem.dtype) {
+        return Err(FlashError::Unavailable(format!(
+            "the register-level path needs m16n8k16 {:?} mma with f32 accumulation, ldmatrix, \
+             asynchronous copies and planes of {MMA_SYNC_PLANE} units (CUDA sm_80 or later)",
+            problem.dtype
+        )));
+    }
+    if problem.dim_qk % 8 != 0 || problem.dim_v % 8 != 0 {
+        return Err(FlashError::Unavailable(format!(
+            "the register-level path copies 16-byte rows: head dims {}/{} must be multiples of 8",
+            problem.dim_qk, problem.dim_v
+        )));
+    }
+    let elem = problem.dtype.size();
+    let planes = 4.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
+    let base = RegisterMmaConfig {
+        planes,
+        m_tiles: 1,
+        block_kv: 64,
+        dim_qk: problem.dim_qk,
+        dim_v: problem.dim_v,
+        masked: problem.options.mask.is_masked(),
+        softcap: problem.options.softcap.is_some(),
+        q_in_registers: true,
+        ptx_type: match problem.dtype {
+            FloatDtype::BF16 => "bf16",
+            _ => "f16",
+        },
+        pure_mma: std::env::var("FLASH_PURE").map_or(true, |v| v != "0"),
+        fast_exp: std::env::var("FLASH_EXP2").map_or(true, |v| v != "0"),
+    };
+    let candidates = [(2, 64, true), (2, 64, false), (1, 64, true), (1, 64, false), (1, 32, false), (1, 16, false)];
+    candidates
+        .into_iter()
+        .map(|(m_tiles, block_kv, q_in_registers)| RegisterMmaConfig {
+            m_tiles,
+            block_kv,
+            q_in_registers,
+            ..base
+        })
+        .find(|c| {
+            c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET
+                && c.forward_shared_bytes(elem) <= limits.max_shared_memory
+        })
+        .ok_or_else(|| {
+            FlashError::InvalidConfig(format!(
+                "head dims {}/{} do not fit the register-level path's registers and {} bytes of shared memory",
+                problem.dim_qk, problem.dim_v, limits.max_shared_memory
+            ))
+        })
+}
+
 /// Resolves `Auto` to the fastest path the device has for `dtype`; a requested path the
 /// device lacks is an error.
 pub fn choose_path(
@@ -246,6 +412,7 @@ pub fn choose_path(
     limits: &DeviceLimits,
 ) -> Result<KernelPath, FlashError> {
     match requested {
+        KernelPath::Auto if limits.has_register_mma(dtype) => Ok(KernelPath::RegisterMma),
         KernelPath::Auto if limits.has_tensor_cores(dtype) => Ok(KernelPath::TensorCore),
         KernelPath::Auto | KernelPath::Portable => Ok(KernelPath::Portable),
         KernelPath::TensorCore if limits.has_tensor_cores(dtype) => Ok(KernelPath::TensorCore),
@@ -257,6 +424,11 @@ pub fn choose_path(
             } else {
                 "no plane operations"
             }
+        ))),
+        KernelPath::RegisterMma if limits.has_register_mma(dtype) => Ok(KernelPath::RegisterMma),
+        KernelPath::RegisterMma => Err(FlashError::Unavailable(format!(
+            "the register-level path needs m16n8k16 {dtype:?} mma with f32 accumulation, \
+             ldmatrix, asynchronous copies and planes of {MMA_SYNC_PLANE} units (CUDA sm_80 or later)"
         ))),
     }
 }
@@ -273,6 +445,8 @@ mod tests {
         plane_ops: true,
         cmma_f16: true,
         cmma_bf16: true,
+        mma_sync_f16: true,
+        mma_sync_bf16: true,
     };
     const AMD: DeviceLimits = DeviceLimits {
         max_shared_memory: 65_536,
@@ -281,6 +455,8 @@ mod tests {
         plane_ops: true,
         cmma_f16: true,
         cmma_bf16: true,
+        mma_sync_f16: false,
+        mma_sync_bf16: false,
     };
     const WEBGPU: DeviceLimits = DeviceLimits {
         max_shared_memory: 16_384,
@@ -289,6 +465,8 @@ mod tests {
         plane_ops: false,
         cmma_f16: false,
         cmma_bf16: false,
+        mma_sync_f16: false,
+        mma_sync_bf16: false,
     };
 
     #[test]
@@ -343,7 +521,12 @@ mod tests {
     #[test]
     fn the_path_follows_the_device() {
         use KernelPath::*;
-        assert_eq!(choose_path(Auto, FloatDtype::BF16, &NVIDIA), Ok(TensorCore));
+        assert_eq!(choose_path(Auto, FloatDtype::BF16, &NVIDIA), Ok(RegisterMma));
+        assert_eq!(choose_path(TensorCore, FloatDtype::BF16, &NVIDIA), Ok(TensorCore));
+        assert!(matches!(
+            choose_path(RegisterMma, FloatDtype::F16, &AMD),
+            Err(FlashError::Unavailable(_))
+        ));
         assert_eq!(choose_path(Auto, FloatDtype::F16, &AMD), Ok(TensorCore));
         assert_eq!(choose_path(Auto, FloatDtype::F32, &NVIDIA), Ok(Portable));
         assert_eq!(choose_path(Auto, FloatDtype::BF16, &WEBGPU), Ok(Portable));
@@ -362,6 +545,35 @@ mod tests {
         let p = problem(64, 64);
         assert!(matches!(
             choose_mma_tiles(&p, &WEBGPU, crate::forward::cmma_shared_bytes),
+            Err(FlashError::Unavailable(_))
+        ));
+    }
+
+    #[test]
+    fn register_mma_tiles_fit_registers_and_shared_memory() {
+        for d in [40, 64, 96, 128, 256] {
+            for dtype in [FloatDtype::F16, FloatDtype::BF16] {
+                let mut p = problem(d, d);
+                p.dtype = dtype;
+                let c = choose_register_mma_tiles(&p, &NVIDIA).unwrap();
+                assert!(c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET, "d={d}");
+                assert!(c.forward_shared_bytes(2) <= NVIDIA.max_shared_memory, "d={d}");
+                assert_eq!(c.units(), 4 * MMA_SYNC_PLANE);
+                assert_eq!(c.block_kv % FRAGMENT, 0);
+                assert_eq!(c.dim_v_padded() % FRAGMENT, 0);
+            }
+        }
+        // Two query tiles per plane where they fit; one for the largest head dims.
+        assert_eq!(choose_register_mma_tiles(&problem(64, 64), &NVIDIA).unwrap().m_tiles, 2);
+        assert_eq!(choose_register_mma_tiles(&problem(128, 128), &NVIDIA).unwrap().m_tiles, 2);
+        assert_eq!(choose_register_mma_tiles(&problem(256, 256), &NVIDIA).unwrap().m_tiles, 1);
+        // Head dims the 16-byte copies cannot read, and devices without the instructions.
+        assert!(matches!(
+            choose_register_mma_tiles(&problem(111, 111), &NVIDIA),
+            Err(FlashError::Unavailable(_))
+        ));
+        assert!(matches!(
+            choose_register_mma_tiles(&problem(64, 64), &AMD),
             Err(FlashError::Unavailable(_))
         ));
     }

@@ -15,6 +15,7 @@ pub mod forward;
 pub mod launch;
 pub mod mask;
 pub mod mma;
+pub mod mma_sync;
 pub mod problem;
 pub mod reference;
 pub mod score;

@@ -78,3 +78,16 @@ pub fn row_reduce_sum(value: f32, #[comptime] per_row: usize) -> f32 {
     }
     v
 }
+
+/// `log2(e)`: scores scaled by it let the softmax use base-2 exponentials.
+pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+/// `2^x` by the PTX instruction `ex2.approx.ftz.f32` (CUDA only; relative error 2⁻²²,
+/// very negative inputs give 0): one special-function-unit operation where `exp` compiles
+/// to several.
+#[cube]
+pub fn exp2_approx(x: f32) -> f32 {
+    let y: f32;
+    gpu_asm!("ex2.approx.ftz.f32 {y}, {x};", x = in(_) x, y = out(_) y, options(pure, nomem));
+    y
+}

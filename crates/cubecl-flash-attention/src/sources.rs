@@ -24,7 +24,10 @@ use crate::backward::{
     flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dq, flash_backward_dq_cmma,
 };
 use crate::config::DeviceLimits;
-use crate::forward::{flash_forward, flash_forward_cmma, mma_config, portable_config};
+use crate::forward::{
+    flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
+    register_mma_config,
+};
 use crate::mask::MaskSpec;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
@@ -470,6 +473,33 @@ fn kernels(
             )) as Box<dyn CubeKernel>
         }),
     ));
+    if limits.has_register_mma(problem.dtype)
+        && problem.dim_qk % 8 == 0
+        && problem.dim_v % 8 == 0
+    {
+        kernels.push((
+            "forward_mma",
+            register_mma_config(problem, limits).map_err(err).map(|c| {
+                Box::new(flash_forward_mma::FlashForwardMma::new(
+                    settings(c.units()),
+                    props.clone(),
+                    tprops.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    (),
+                    (),
+                    (),
+                    (),
+                    c,
+                    elem,
+                )) as Box<dyn CubeKernel>
+            }),
+        ));
+    }
     if !limits.has_tensor_cores(problem.dtype) {
         return kernels;
     }

@@ -1,6 +1,7 @@
 //! Index arithmetic shared by the kernels: which head a cube works on, reading one row of a
 //! strided `[batch, heads, seq, dim]` tensor into registers, and staging rows in shared memory.
 
+use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
 /// The (batch, query head, key/value head) of the cube; `CUBE_POS_Y` enumerates batch·heads.
@@ -203,6 +204,55 @@ pub fn write_rows<F: Float>(
             let c = idx % dim;
             t[base + (first + r) * row_stride + c * col_stride] =
                 F::cast_from(tile[r * stride + c]);
+        }
+    }
+}
+
+/// Elements of one 16-byte asynchronous copy.
+const COPY: usize = 8;
+
+/// [`stage_rows`] with 16-byte asynchronous copies (`cp.async`) into `tile` at `offset`: the
+/// copies have not landed when this returns; a barrier the cube commits them to
+/// (`Barrier::commit_copy_async`) and waits on makes them visible. Rows past the end of the
+/// sequence and the padding columns are zeroed with plain stores, visible after the same
+/// wait. Needs `dim % 8 == 0`, a unit column stride, other strides multiples of 8 and a
+/// 16-byte aligned buffer (see the launcher's checks).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_rows_async<F: Float>(
+    t: &Tensor<F>,
+    batch: usize,
+    head: usize,
+    first: usize,
+    tile: &mut Shared<[F]>,
+    offset: usize,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] padded: usize,
+    #[comptime] stride: usize,
+    #[comptime] units: usize,
+) {
+    let seq = t.shape(2);
+    let base = batch * t.stride(0) + head * t.stride(1);
+    let row_stride = t.stride(2);
+    let per_row = comptime!(padded / COPY);
+    let total = comptime!(rows * per_row);
+    #[unroll]
+    for step in 0..comptime!(total.div_ceil(units)) {
+        let idx = step * units + UNIT_POS as usize;
+        if comptime!(total % units == 0) || idx < total {
+            let r = idx / per_row;
+            let c = (idx % per_row) * COPY;
+            let dst = offset + r * stride + c;
+            if first + r < seq && c < dim {
+                let src = base + (first + r) * row_stride + c;
+                copy_async(&t[src..src + COPY], &mut tile[dst..dst + COPY], COPY as u32);
+            } else {
+                #[unroll]
+                for e in 0..COPY {
+                    tile[dst + e] = F::new(0.0);
+                }
+            }
         }
     }
 }

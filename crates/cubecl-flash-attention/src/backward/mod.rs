@@ -109,7 +109,12 @@ pub fn backward_into(
     }
 
     let limits = DeviceLimits::from_properties(client.properties());
-    let chosen = choose_path(path, dtype, &limits)?;
+    // The register-level path has no backward kernels of its own: its gradients run on the
+    // `cmma` kernels.
+    let chosen = match choose_path(path, dtype, &limits)? {
+        KernelPath::RegisterMma => choose_path(KernelPath::TensorCore, dtype, &limits)?,
+        chosen => chosen,
+    };
     let (left, right) = window_args(&problem);
     let (scale, softcap) = (problem.scale(), softcap_arg(&problem));
     let elem = dtype.elem_type();
@@ -186,7 +191,7 @@ pub fn backward_into(
                 );
             }
         }
-        KernelPath::Auto | KernelPath::Portable => {
+        KernelPath::Auto | KernelPath::Portable | KernelPath::RegisterMma => {
             let config = dkdv_portable_config(&problem, &limits)?;
             let (count, dim) = grid(&config, problem.seq_kv, problem.batch, problem.heads_kv);
             unsafe {

@@ -2,12 +2,13 @@
 
 mod cmma;
 mod portable;
+mod register_mma;
 
 use cubecl::prelude::*;
 
 use crate::config::{
-    DeviceLimits, KernelPath, MmaConfig, TileConfig, choose_mma_tiles, choose_path,
-    choose_portable_tiles,
+    DeviceLimits, KernelPath, MmaConfig, RegisterMmaConfig, TileConfig, choose_mma_tiles,
+    choose_path, choose_portable_tiles, choose_register_mma_tiles,
 };
 use crate::error::FlashError;
 use crate::launch::{DeviceTensor, check_dtype, expect_shape, grid, softcap_arg, window_args};
@@ -15,6 +16,7 @@ use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use cmma::{flash_forward_cmma, shared_bytes as cmma_shared_bytes};
 pub use portable::flash_forward;
+pub use register_mma::flash_forward_mma;
 
 /// Output of the forward pass: `O` `[b, h_q, s_q, d_v]` in the input dtype, and the
 /// natural-log LSE `[b, h_q, s_q]` in f32 (−∞ for rows that see no key).
@@ -66,7 +68,34 @@ pub fn forward_into(
     }
     let limits = DeviceLimits::from_properties(client.properties());
     let (left, right) = window_args(&problem);
-    match choose_path(path, dtype, &limits)? {
+    match forward_path(path, &problem, &limits, [q, k, v])? {
+        KernelPath::RegisterMma => {
+            let config = register_mma_config(&problem, &limits)?;
+            let count = CubeCount::Static(
+                problem.seq_q.div_ceil(config.block_rows()) as u32,
+                (problem.batch * problem.heads_q) as u32,
+                1,
+            );
+            unsafe {
+                flash_forward_mma::launch_unchecked(
+                    client,
+                    count,
+                    CubeDim::new_1d(config.units() as u32),
+                    q.arg(),
+                    k.arg(),
+                    v.arg(),
+                    out.arg(),
+                    lse.arg(),
+                    problem.scale(),
+                    softcap_arg(&problem),
+                    left,
+                    right,
+                    f32::NEG_INFINITY,
+                    config,
+                    dtype.elem_type(),
+                );
+            }
+        }
         KernelPath::TensorCore => {
             let config = mma_config(&problem, &limits)?;
             let count = CubeCount::Static(
@@ -119,6 +148,76 @@ pub fn forward_into(
         }
     }
     Ok(())
+}
+
+/// The path that runs: [`choose_path`]'s, except that `Auto` steps down from the
+/// register-level path to the `cmma` one for problems that path does not take (head dims not
+/// a multiple of 8, inputs not readable by 16-byte copies).
+fn forward_path(
+    requested: KernelPath,
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+    inputs: [&DeviceTensor; 3],
+) -> Result<KernelPath, FlashError> {
+    let chosen = choose_path(requested, problem.dtype, limits)?;
+    if chosen != KernelPath::RegisterMma {
+        return Ok(chosen);
+    }
+    let fits = register_mma_config(problem, limits).and_then(|_| {
+        for (name, t) in ["query", "key", "value"].into_iter().zip(inputs) {
+            if !readable_by_16_byte_copies(t, problem.dtype.size()) {
+                return Err(FlashError::Unavailable(format!(
+                    "the register-level path reads {name} with 16-byte copies: it needs a unit \
+                     stride in the head dim, other strides that are multiples of 16 bytes and \
+                     a 16-byte aligned buffer; got strides {:?}",
+                    t.strides
+                )));
+            }
+        }
+        Ok(())
+    });
+    match fits {
+        Ok(()) => Ok(KernelPath::RegisterMma),
+        Err(_) if requested == KernelPath::Auto => {
+            choose_path(KernelPath::TensorCore, problem.dtype, limits)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether every row of `t` starts on a 16-byte boundary and is contiguous.
+fn readable_by_16_byte_copies(t: &DeviceTensor, elem: usize) -> bool {
+    let offset = t.handle.offset_start.unwrap_or(0) as usize;
+    t.strides[3] == 1
+        && t.strides[..3].iter().all(|s| (s * elem) % 16 == 0)
+        && offset % 16 == 0
+}
+
+/// Tiles of the register-level forward kernel. `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers`
+/// (e.g. `2,64,0`) overrides the heuristic's choice, for tuning.
+pub(crate) fn register_mma_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<RegisterMmaConfig, FlashError> {
+    let mut config = choose_register_mma_tiles(problem, limits)?;
+    if let Ok(tiles) = std::env::var("FLASH_MMA_TILES") {
+        let parts: Vec<usize> = tiles.split(',').filter_map(|p| p.trim().parse().ok()).collect();
+        match parts[..] {
+            [m_tiles, block_kv, q_in_registers]
+                if (1..=2).contains(&m_tiles) && block_kv % 16 == 0 && block_kv > 0 =>
+            {
+                config.m_tiles = m_tiles;
+                config.block_kv = block_kv;
+                config.q_in_registers = q_in_registers != 0;
+            }
+            _ => {
+                return Err(FlashError::InvalidConfig(format!(
+                    "FLASH_MMA_TILES={tiles}: expected m_tiles (1 or 2),block_kv (a multiple of 16),q_in_registers (0 or 1)"
+                )));
+            }
+        }
+    }
+    Ok(config)
 }
 
 /// Tiles of the portable forward kernel: K and V rows are staged in f32.

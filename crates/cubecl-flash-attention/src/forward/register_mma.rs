@@ -1,0 +1,413 @@
+//! The FlashAttention-2 forward on register-level tensor-core instructions (CUDA sm_80+).
+//!
+//! One cube of `planes` planes per (query block, batch·head); each plane owns `m_tiles`
+//! tiles of 16 query rows. K/V blocks are copied asynchronously into two shared-memory
+//! stages, the next block's copy in flight while the current one is used. Per key block:
+//!
+//! 1. `S = Q·Kᵀ` into accumulator registers (`mma.sync`, operands by `ldmatrix`);
+//! 2. the online softmax on those registers: a lane holds two rows of each query tile, whose
+//!    four lanes meet through plane shuffles for the row maximum; `O` is rescaled in place;
+//! 3. `O += P·V`, the probabilities converted to the input dtype in registers and used as the
+//!    A operand directly (see [`crate::mma_sync`]).
+//!
+//! The row sums stay per lane until the epilogue, where the four lanes of a row add them.
+//! Mask arithmetic runs only in the key blocks that straddle the mask's edge or the
+//! sequence ends; blocks no query of the cube sees are never visited.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use crate::config::{FRAGMENT, RegisterMmaConfig};
+use crate::mask::Mask;
+use crate::mma_sync::{
+    Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, mma_cubecl, zeros,
+};
+use crate::score::score;
+use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
+use crate::tile::{Head, stage_rows_async};
+
+/// Lanes sharing one row of an accumulator tile.
+const LANES_PER_ROW: usize = 4;
+/// Columns of one accumulator tile.
+const TILE_COLS: usize = 8;
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward_mma<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    neg_inf: f32,
+    #[comptime] config: RegisterMmaConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let block_q = comptime!(config.block_rows());
+    let block_kv = config.block_kv;
+    let m_tiles = config.m_tiles;
+    let units = comptime!(config.units());
+    let dqk = comptime!(config.dim_qk_padded());
+    let dv = comptime!(config.dim_v_padded());
+    let qk_ld = comptime!(RegisterMmaConfig::stride(dqk));
+    let v_ld = comptime!(RegisterMmaConfig::stride(dv));
+    let k_steps = comptime!(dqk / FRAGMENT);
+    let kv_steps = comptime!(block_kv / FRAGMENT);
+    let s_tiles = comptime!(block_kv / TILE_COLS);
+    let o_tiles = comptime!(dv / TILE_COLS);
+    let k_stage = comptime!(block_kv * qk_ld);
+    let v_stage = comptime!(block_kv * v_ld);
+
+    let lane = UNIT_POS_PLANE as usize;
+    let group = lane / LANES_PER_ROW;
+    let in_group = lane % LANES_PER_ROW;
+
+    let seq_q = q.shape(2);
+    let seq_kv = k.shape(2);
+    let head = Head::from_cube(q.shape(1), k.shape(1));
+    let q_begin = CUBE_POS_X as usize * block_q;
+    let q_end = min(q_begin + block_q, seq_q);
+    let plane_row = PLANE_POS as usize * FRAGMENT * m_tiles;
+
+    let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, 16usize);
+    let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, 16usize);
+    let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, 16usize);
+    let k_landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let k_landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let v_landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let v_landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+
+    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+    let blocks = mask.key_blocks(q_begin, q_end, block_kv, config.masked);
+
+    // Accumulators: the output and the scores of the plane's query tiles, and the softmax
+    // state of the lane's rows (`2 · tile + half`, half 0 for row g, 1 for row g + 8).
+    let mut o_acc = zeros(comptime!(2 * m_tiles * o_tiles));
+    let mut s_acc = zeros(comptime!(2 * m_tiles * s_tiles));
+    let mut row_max = Array::<f32>::new(comptime!(2 * m_tiles));
+    let mut row_sum = Array::<f32>::new(comptime!(2 * m_tiles));
+    #[unroll]
+    for r in 0..comptime!(2 * m_tiles) {
+        row_max[r] = f32::new(MASKED);
+        row_sum[r] = 0.0;
+    }
+    let q_pairs = comptime!(if config.q_in_registers {
+        4 * m_tiles * k_steps
+    } else {
+        4
+    });
+    let mut q_frag = Array::<Pair<F>>::new(q_pairs);
+
+    if blocks.count > 0 {
+        let k0 = usize::cast_from(blocks.first);
+        stage_rows_async(
+            q,
+            head.batch,
+            head.head_q,
+            q_begin,
+            &mut q_tile,
+            0,
+            block_q,
+            config.dim_qk,
+            dqk,
+            qk_ld,
+            units,
+        );
+        stage_rows_async(
+            k,
+            head.batch,
+            head.head_kv,
+            k0,
+            &mut k_tile,
+            0,
+            block_kv,
+            config.dim_qk,
+            dqk,
+            qk_ld,
+            units,
+        );
+        k_landed_0.commit_copy_async();
+        stage_rows_async(
+            v,
+            head.batch,
+            head.head_kv,
+            k0,
+            &mut v_tile,
+            0,
+            block_kv,
+            config.dim_v,
+            dv,
+            v_ld,
+            units,
+        );
+        v_landed_0.commit_copy_async();
+    }
+
+    for block in 0..blocks.count {
+        let stage = usize::cast_from(block % 2);
+        let next = 1 - stage;
+        let k0 = blocks.start(block, block_kv);
+        let has_next = block + 1 < blocks.count;
+        let next_k0 = usize::cast_from(k0) + block_kv;
+
+        // K of this block (and Q, with the first) has landed; every unit is done with the
+        // previous block, so the other stage may be refilled.
+        if stage == 0 {
+            k_landed_0.arrive_and_wait();
+        } else {
+            k_landed_1.arrive_and_wait();
+        }
+        if comptime!(config.q_in_registers) && block == 0 {
+            #[unroll]
+            for t in 0..m_tiles {
+                #[unroll]
+                for kk in 0..k_steps {
+                    let frag = load_a(
+                        &q_tile,
+                        (plane_row + t * FRAGMENT) * qk_ld + kk * FRAGMENT,
+                        qk_ld,
+                    );
+                    #[unroll]
+                    for i in 0..4usize {
+                        q_frag[(t * k_steps + kk) * 4 + i] = frag[i];
+                    }
+                }
+            }
+        }
+        if has_next {
+            stage_rows_async(
+                k,
+                head.batch,
+                head.head_kv,
+                next_k0,
+                &mut k_tile,
+                next * k_stage,
+                block_kv,
+                config.dim_qk,
+                dqk,
+                qk_ld,
+                units,
+            );
+            if next == 0 {
+                k_landed_0.commit_copy_async();
+            } else {
+                k_landed_1.commit_copy_async();
+            }
+        }
+
+        // 1. S = Q·Kᵀ.
+        #[unroll]
+        for i in 0..comptime!(2 * m_tiles * s_tiles) {
+            s_acc[i] = Pair::<f32>::cast_from(0.0f32);
+        }
+        let k_base = stage * k_stage;
+        #[unroll]
+        for kk in 0..k_steps {
+            #[unroll]
+            for t in 0..m_tiles {
+                if comptime!(!config.q_in_registers) {
+                    let frag = load_a(
+                        &q_tile,
+                        (plane_row + t * FRAGMENT) * qk_ld + kk * FRAGMENT,
+                        qk_ld,
+                    );
+                    #[unroll]
+                    for i in 0..4usize {
+                        q_frag[i] = frag[i];
+                    }
+                }
+                let q_at = comptime!(if config.q_in_registers {
+                    (t * k_steps + kk) * 4
+                } else {
+                    0
+                });
+                #[unroll]
+                for n in 0..comptime!(s_tiles / 2) {
+                    let kf = load_b_transposed(
+                        &k_tile,
+                        k_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
+                        qk_ld,
+                    );
+                    product(&q_frag, q_at, &kf, 0, &mut s_acc, t * s_tiles + 2 * n, config);
+                    product(&q_frag, q_at, &kf, 2, &mut s_acc, t * s_tiles + 2 * n + 1, config);
+                }
+            }
+        }
+
+        // 2. Online softmax on the registers.
+        let needs_mask = !mask.is_block_visible(
+            i32::cast_from(q_begin),
+            i32::cast_from(q_end),
+            k0,
+            k0 + i32::cast_from(block_kv),
+        );
+        #[unroll]
+        for t in 0..m_tiles {
+            #[unroll]
+            for half in 0..2usize {
+                let r = 2 * t + half;
+                let row = i32::cast_from(q_begin + plane_row + t * FRAGMENT + group + 8 * half);
+                let mut block_max = f32::new(MASKED);
+                #[unroll]
+                for n in 0..s_tiles {
+                    let at = 2 * (t * s_tiles + n) + half;
+                    let mut pair = s_acc[at];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let mut s = score(pair.extract(e), scale, softcap, config.softcap);
+                        if comptime!(config.fast_exp) {
+                            s *= LOG2_E;
+                        }
+                        if needs_mask {
+                            let key = k0 + i32::cast_from(n * TILE_COLS + 2 * in_group + e);
+                            if !mask.is_visible(row, key) {
+                                s = f32::new(MASKED);
+                            }
+                        }
+                        pair.insert(e, s);
+                        block_max = max(block_max, s);
+                    }
+                    s_acc[at] = pair;
+                }
+                block_max = row_reduce_max(block_max, LANES_PER_ROW);
+                let m_new = max(row_max[r], block_max);
+                // Exponentials against 0 while the row has seen no visible key, so that
+                // masked scores (MASKED − 0) still give exactly 0.
+                let m_ref = select(m_new == f32::new(MASKED), 0.0, m_new);
+                let alpha = exponential(row_max[r] - m_ref, config.fast_exp);
+                row_max[r] = m_new;
+                let mut block_sum = 0.0f32;
+                #[unroll]
+                for n in 0..s_tiles {
+                    let at = 2 * (t * s_tiles + n) + half;
+                    let mut pair = s_acc[at];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let p = exponential(pair.extract(e) - m_ref, config.fast_exp);
+                        block_sum += p;
+                        pair.insert(e, p);
+                    }
+                    s_acc[at] = pair;
+                }
+                row_sum[r] = row_sum[r] * alpha + block_sum;
+                let alpha_pair = Pair::<f32>::cast_from(alpha);
+                #[unroll]
+                for n in 0..o_tiles {
+                    let at = 2 * (t * o_tiles + n) + half;
+                    o_acc[at] = o_acc[at] * alpha_pair;
+                }
+            }
+        }
+
+        // 3. O += P·V, once V of this block has landed.
+        if stage == 0 {
+            v_landed_0.arrive_and_wait();
+        } else {
+            v_landed_1.arrive_and_wait();
+        }
+        if has_next {
+            stage_rows_async(
+                v,
+                head.batch,
+                head.head_kv,
+                next_k0,
+                &mut v_tile,
+                next * v_stage,
+                block_kv,
+                config.dim_v,
+                dv,
+                v_ld,
+                units,
+            );
+            if next == 0 {
+                v_landed_0.commit_copy_async();
+            } else {
+                v_landed_1.commit_copy_async();
+            }
+        }
+        let v_base = stage * v_stage;
+        #[unroll]
+        for kk in 0..kv_steps {
+            #[unroll]
+            for t in 0..m_tiles {
+                let p = accumulators_as_a::<F>(&s_acc, t * s_tiles + 2 * kk);
+                #[unroll]
+                for n in 0..comptime!(o_tiles / 2) {
+                    let vf = load_b(
+                        &v_tile,
+                        v_base + kk * FRAGMENT * v_ld + n * FRAGMENT,
+                        v_ld,
+                    );
+                    product(&p, 0, &vf, 0, &mut o_acc, t * o_tiles + 2 * n, config);
+                    product(&p, 0, &vf, 2, &mut o_acc, t * o_tiles + 2 * n + 1, config);
+                }
+            }
+        }
+    }
+
+    // Epilogue: the four lanes of a row add their sums; normalize and write O and the LSE.
+    let col_stride = out.stride(3);
+    #[unroll]
+    for t in 0..m_tiles {
+        #[unroll]
+        for half in 0..2usize {
+            let r = 2 * t + half;
+            let sum = row_reduce_sum(row_sum[r], LANES_PER_ROW);
+            let row = q_begin + plane_row + t * FRAGMENT + group + 8 * half;
+            if row < seq_q {
+                let inv = select(sum > 0.0, 1.0 / sum, 0.0);
+                let base =
+                    head.batch * out.stride(0) + head.head_q * out.stride(1) + row * out.stride(2);
+                #[unroll]
+                for n in 0..o_tiles {
+                    let pair = o_acc[2 * (t * o_tiles + n) + half];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let col = n * TILE_COLS + 2 * in_group + e;
+                        if col < config.dim_v {
+                            out[base + col * col_stride] = F::cast_from(pair.extract(e) * inv);
+                        }
+                    }
+                }
+                if in_group == 0 {
+                    let lse_index = head.batch * lse.stride(0)
+                        + head.head_q * lse.stride(1)
+                        + row * lse.stride(2);
+                    let mut m = row_max[r];
+                    if comptime!(config.fast_exp) {
+                        m *= std::f32::consts::LN_2;
+                    }
+                    lse[lse_index] = select(sum > 0.0, m + sum.ln(), neg_inf);
+                }
+            }
+        }
+    }
+}
+
+/// `e^x`, or `2^x` by the fast instruction when the scores are in base 2.
+#[cube]
+fn exponential(x: f32, #[comptime] base_2: bool) -> f32 {
+    if base_2 { exp2_approx(x) } else { x.exp() }
+}
+
+/// `acc[tile] += A · B` (see [`crate::mma_sync::mma`]).
+#[cube]
+fn product<F: Float>(
+    a: &Array<Pair<F>>,
+    a_at: usize,
+    b: &Array<Pair<F>>,
+    b_at: usize,
+    acc: &mut Array<Pair<f32>>,
+    tile: usize,
+    #[comptime] config: RegisterMmaConfig,
+) {
+    if comptime!(config.pure_mma) {
+        mma(a, a_at, b, b_at, acc, tile, config.ptx_type);
+    } else {
+        mma_cubecl(a, a_at, b, b_at, acc, tile);
+    }
+}

@@ -1,0 +1,170 @@
+//! Register-level tensor-core products for the fast CUDA path: `mma.sync` m16n8k16 with f32
+//! accumulation, operands loaded from shared memory by `ldmatrix`.
+//!
+//! Fragments live in registers as pairs ([`Pair`]: 32 bits of f16/bf16, or two f32
+//! accumulators), in the layouts PTX defines. Lane `l` of the plane is in row group
+//! `g = l / 4` at position `t = l % 4`, and holds:
+//!
+//! | fragment | pairs (row, first column) |
+//! | --- | --- |
+//! | A, 16×16 | (g, 2t), (g+8, 2t), (g, 2t+8), (g+8, 2t+8) |
+//! | B, 16×8 (k × n) | (k = 2t, n = g), (k = 2t+8, n = g) |
+//! | C, 16×8 | (g, 2t), (g+8, 2t) |
+//!
+//! Two accumulator tiles side by side (columns 0–7 and 8–15) hold exactly the pairs of an A
+//! fragment: that is how probabilities go from the softmax to `P·V` without leaving registers
+//! ([`accumulators_as_a`]).
+//!
+//! Accumulator tiles are stored in flat arrays, two pairs per 16×8 tile: pair `2·tile` is row
+//! `g`, pair `2·tile + 1` row `g + 8`.
+
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::*;
+
+/// Two neighbouring elements of a fragment.
+pub type Pair<E> = Vector<E, Const<2>>;
+
+/// Elements of one 16-byte row `ldmatrix` reads.
+const ROW: usize = 8;
+
+#[cube]
+fn definition<F: Float>() -> MmaDefinition<F, F, f32> {
+    MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize)
+}
+
+/// The A fragment of the 16×16 tile at `offset` of a row-major tile with row stride `ld`
+/// (one `ldmatrix.x4`: lanes 0–15 address rows 0–15 at column 0, lanes 16–31 at column 8).
+#[cube]
+pub fn load_a<F: Float>(tile: &Shared<[F]>, offset: usize, #[comptime] ld: usize) -> Array<Pair<F>> {
+    let lane = UNIT_POS_PLANE as usize;
+    let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
+    definition::<F>().load_matrix::<F, Const<2>>(&tile[start..start + ROW], MatrixIdent::A, 4usize, false)
+}
+
+/// The B fragments of two neighbouring 8-column tiles of `Xᵀ`, for the 16×16 block of `X`
+/// at `offset` (row-major, stride `ld`): rows of `X` are the columns `n` of the product, as
+/// the keys of `K` in `Q·Kᵀ`. Pairs 0–1 are the fragment of rows 0–7 of `X`, pairs 2–3 of
+/// rows 8–15.
+#[cube]
+pub fn load_b_transposed<F: Float>(
+    tile: &Shared<[F]>,
+    offset: usize,
+    #[comptime] ld: usize,
+) -> Array<Pair<F>> {
+    let lane = UNIT_POS_PLANE as usize;
+    // Matrix `lane / 8`: rows 0–7 or 8–15 (bit 1), columns 0–7 or 8–15 (bit 0).
+    let matrix = lane / ROW;
+    let start = offset + (lane % ROW + (matrix / 2) * ROW) * ld + (matrix % 2) * ROW;
+    definition::<F>().load_matrix::<F, Const<2>>(&tile[start..start + ROW], MatrixIdent::B, 4usize, false)
+}
+
+/// The B fragments of two neighbouring 8-column tiles of the 16×16 block of `X` at `offset`
+/// (row-major, stride `ld`; rows of `X` are the reduction `k`, as the keys of `V` in `P·V`),
+/// read transposed by `ldmatrix.trans`. Pairs 0–1 are columns 0–7, pairs 2–3 columns 8–15.
+#[cube]
+pub fn load_b<F: Float>(tile: &Shared<[F]>, offset: usize, #[comptime] ld: usize) -> Array<Pair<F>> {
+    let lane = UNIT_POS_PLANE as usize;
+    let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
+    definition::<F>().load_matrix::<F, Const<2>>(&tile[start..start + ROW], MatrixIdent::B, 4usize, true)
+}
+
+/// `acc[tile] += A · B` for the A fragment at pairs `a_at..a_at + 4` of `a` and the B fragment
+/// at pairs `b_at..b_at + 2` of `b`; `ptx_type` is the inputs' PTX type (`bf16` or `f16`).
+///
+/// The instruction is emitted as pure inline assembly (no side effects, no memory), which
+/// leaves the compiler free to interleave it with the fragment loads of later products.
+#[cube]
+pub fn mma<F: Float>(
+    a: &Array<Pair<F>>,
+    a_at: usize,
+    b: &Array<Pair<F>>,
+    b_at: usize,
+    acc: &mut Array<Pair<f32>>,
+    tile: usize,
+    #[comptime] ptx_type: &'static str,
+) {
+    let mut ra = Vector::<u32, Const<4>>::empty();
+    #[unroll]
+    for i in 0..4usize {
+        ra.insert(i, u32::reinterpret(a[a_at + i]));
+    }
+    let mut rb = Vector::<u32, Const<2>>::empty();
+    rb.insert(0usize, u32::reinterpret(b[b_at]));
+    rb.insert(1usize, u32::reinterpret(b[b_at + 1]));
+    let (low, high) = (acc[2 * tile], acc[2 * tile + 1]);
+    let mut rc = Vector::<f32, Const<4>>::empty();
+    rc.insert(0usize, low.extract(0usize));
+    rc.insert(1usize, low.extract(1usize));
+    rc.insert(2usize, high.extract(0usize));
+    rc.insert(3usize, high.extract(1usize));
+    // Assembly inputs must be values, not the variables the inserts above wrote: adding
+    // zero (+0 and −0, which the compiler folds away) makes them so.
+    let ra_value = ra + Vector::<u32, Const<4>>::zeroed();
+    let rb_value = rb + Vector::<u32, Const<2>>::zeroed();
+    let rc_value = rc + Vector::<f32, Const<4>>::cast_from(-0.0f32);
+    let rd: Vector<f32, Const<4>>;
+    gpu_asm!(
+        "mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32 {rd}, {ra}, {rb}, {rc};",
+        ra = in(_) ra_value,
+        rb = in(_) rb_value,
+        rc = in(_) rc_value,
+        rd = out(_) rd,
+        options(pure, nomem)
+    );
+    let mut d_low = Pair::<f32>::empty();
+    d_low.insert(0usize, rd.extract(0usize));
+    d_low.insert(1usize, rd.extract(1usize));
+    let mut d_high = Pair::<f32>::empty();
+    d_high.insert(0usize, rd.extract(2usize));
+    d_high.insert(1usize, rd.extract(3usize));
+    acc[2 * tile] = d_low;
+    acc[2 * tile + 1] = d_high;
+}
+
+/// [`mma`] through CubeCL's `MmaDefinition::execute_inplace` (volatile inline assembly).
+#[cube]
+pub fn mma_cubecl<F: Float>(
+    a: &Array<Pair<F>>,
+    a_at: usize,
+    b: &Array<Pair<F>>,
+    b_at: usize,
+    acc: &mut Array<Pair<f32>>,
+    tile: usize,
+) {
+    let mut fa = Array::<Pair<F>>::new(4usize);
+    #[unroll]
+    for i in 0..4usize {
+        fa[i] = a[a_at + i];
+    }
+    let mut fb = Array::<Pair<F>>::new(2usize);
+    fb[0] = b[b_at];
+    fb[1] = b[b_at + 1];
+    let mut fc = Array::<Pair<f32>>::new(2usize);
+    fc[0] = acc[2 * tile];
+    fc[1] = acc[2 * tile + 1];
+    definition::<F>().execute_inplace(&fa, &fb, &mut fc);
+    acc[2 * tile] = fc[0];
+    acc[2 * tile + 1] = fc[1];
+}
+
+/// The A fragment (in the input dtype) of accumulator tiles `tile` and `tile + 1`, side by side.
+#[cube]
+pub fn accumulators_as_a<F: Float>(acc: &Array<Pair<f32>>, tile: usize) -> Array<Pair<F>> {
+    let mut a = Array::<Pair<F>>::new(4usize);
+    #[unroll]
+    for i in 0..4usize {
+        a[i] = Pair::<F>::cast_from(acc[2 * tile + i]);
+    }
+    a
+}
+
+/// `n` zeroed pairs.
+#[cube]
+pub fn zeros(#[comptime] n: usize) -> Array<Pair<f32>> {
+    let mut acc = Array::<Pair<f32>>::new(n);
+    #[unroll]
+    for i in 0..n {
+        acc[i] = Pair::<f32>::cast_from(0.0f32);
+    }
+    acc
+}
