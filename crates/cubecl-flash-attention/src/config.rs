@@ -297,10 +297,6 @@ pub struct RegisterMmaConfig {
     /// Keep the plane's Q fragments in registers for the whole loop (otherwise they are
     /// re-read from shared memory per key block).
     pub q_in_registers: bool,
-    /// PTX type of the inputs: `bf16` or `f16`.
-    pub ptx_type: &'static str,
-    pub pure_mma: bool,
-    pub fast_exp: bool,
 }
 
 impl RegisterMmaConfig {
@@ -376,12 +372,6 @@ pub fn choose_register_mma_tiles(
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
         q_in_registers: true,
-        ptx_type: match problem.dtype {
-            FloatDtype::BF16 => "bf16",
-            _ => "f16",
-        },
-        pure_mma: std::env::var("FLASH_PURE").map_or(true, |v| v != "0"),
-        fast_exp: std::env::var("FLASH_EXP2").map_or(true, |v| v != "0"),
     };
     let candidates = [(2, 64, true), (2, 64, false), (1, 64, true), (1, 64, false), (1, 32, false), (1, 16, false)];
     candidates

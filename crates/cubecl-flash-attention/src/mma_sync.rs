@@ -69,61 +69,9 @@ pub fn load_b<F: Float>(tile: &Shared<[F]>, offset: usize, #[comptime] ld: usize
 }
 
 /// `acc[tile] += A · B` for the A fragment at pairs `a_at..a_at + 4` of `a` and the B fragment
-/// at pairs `b_at..b_at + 2` of `b`; `ptx_type` is the inputs' PTX type (`bf16` or `f16`).
-///
-/// The instruction is emitted as pure inline assembly (no side effects, no memory), which
-/// leaves the compiler free to interleave it with the fragment loads of later products.
+/// at pairs `b_at..b_at + 2` of `b`.
 #[cube]
 pub fn mma<F: Float>(
-    a: &Array<Pair<F>>,
-    a_at: usize,
-    b: &Array<Pair<F>>,
-    b_at: usize,
-    acc: &mut Array<Pair<f32>>,
-    tile: usize,
-    #[comptime] ptx_type: &'static str,
-) {
-    let mut ra = Vector::<u32, Const<4>>::empty();
-    #[unroll]
-    for i in 0..4usize {
-        ra.insert(i, u32::reinterpret(a[a_at + i]));
-    }
-    let mut rb = Vector::<u32, Const<2>>::empty();
-    rb.insert(0usize, u32::reinterpret(b[b_at]));
-    rb.insert(1usize, u32::reinterpret(b[b_at + 1]));
-    let (low, high) = (acc[2 * tile], acc[2 * tile + 1]);
-    let mut rc = Vector::<f32, Const<4>>::empty();
-    rc.insert(0usize, low.extract(0usize));
-    rc.insert(1usize, low.extract(1usize));
-    rc.insert(2usize, high.extract(0usize));
-    rc.insert(3usize, high.extract(1usize));
-    // Assembly inputs must be values, not the variables the inserts above wrote: adding
-    // zero (+0 and −0, which the compiler folds away) makes them so.
-    let ra_value = ra + Vector::<u32, Const<4>>::zeroed();
-    let rb_value = rb + Vector::<u32, Const<2>>::zeroed();
-    let rc_value = rc + Vector::<f32, Const<4>>::cast_from(-0.0f32);
-    let rd: Vector<f32, Const<4>>;
-    gpu_asm!(
-        "mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32 {rd}, {ra}, {rb}, {rc};",
-        ra = in(_) ra_value,
-        rb = in(_) rb_value,
-        rc = in(_) rc_value,
-        rd = out(_) rd,
-        options(pure, nomem)
-    );
-    let mut d_low = Pair::<f32>::empty();
-    d_low.insert(0usize, rd.extract(0usize));
-    d_low.insert(1usize, rd.extract(1usize));
-    let mut d_high = Pair::<f32>::empty();
-    d_high.insert(0usize, rd.extract(2usize));
-    d_high.insert(1usize, rd.extract(3usize));
-    acc[2 * tile] = d_low;
-    acc[2 * tile + 1] = d_high;
-}
-
-/// [`mma`] through CubeCL's `MmaDefinition::execute_inplace` (volatile inline assembly).
-#[cube]
-pub fn mma_cubecl<F: Float>(
     a: &Array<Pair<F>>,
     a_at: usize,
     b: &Array<Pair<F>>,

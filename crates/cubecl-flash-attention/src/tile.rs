@@ -16,10 +16,14 @@ pub struct Head {
 impl Head {
     /// For kernels with one cube per query head.
     pub fn from_cube(heads_q: usize, heads_kv: usize) -> Head {
-        let y = CUBE_POS_Y as usize;
-        let head_q = y % heads_q;
+        Head::from_index(CUBE_POS_Y as usize, heads_q, heads_kv)
+    }
+
+    /// For batch·head index `index`.
+    pub fn from_index(index: usize, heads_q: usize, heads_kv: usize) -> Head {
+        let head_q = index % heads_q;
         Head {
-            batch: y / heads_q,
+            batch: index / heads_q,
             head_q,
             head_kv: head_q / (heads_q / heads_kv),
         }

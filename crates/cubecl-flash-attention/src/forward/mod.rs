@@ -71,9 +71,10 @@ pub fn forward_into(
     match forward_path(path, &problem, &limits, [q, k, v])? {
         KernelPath::RegisterMma => {
             let config = register_mma_config(&problem, &limits)?;
+            // Head-major: see the kernel.
             let count = CubeCount::Static(
-                problem.seq_q.div_ceil(config.block_rows()) as u32,
                 (problem.batch * problem.heads_q) as u32,
+                problem.seq_q.div_ceil(config.block_rows()) as u32,
                 1,
             );
             unsafe {

@@ -19,10 +19,7 @@ use cubecl::prelude::*;
 
 use crate::config::{FRAGMENT, RegisterMmaConfig};
 use crate::mask::Mask;
-use crate::mma_sync::{
-    Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, mma_cubecl, zeros,
-};
-use crate::score::score;
+use crate::mma_sync::{Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, zeros};
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
 use crate::tile::{Head, stage_rows_async};
 
@@ -62,14 +59,23 @@ pub fn flash_forward_mma<F: Float>(
     let k_stage = comptime!(block_kv * qk_ld);
     let v_stage = comptime!(block_kv * v_ld);
 
+    // Scores in base 2 (`s · log2 e`), for the fast exponential; the softcap
+    // `cap · tanh(s / cap)` is scaled the same way.
+    let scale_log2 = scale * LOG2_E;
+    let pre_cap = scale / softcap;
+    let cap_log2 = softcap * LOG2_E;
+
     let lane = UNIT_POS_PLANE as usize;
     let group = lane / LANES_PER_ROW;
     let in_group = lane % LANES_PER_ROW;
 
     let seq_q = q.shape(2);
     let seq_kv = k.shape(2);
-    let head = Head::from_cube(q.shape(1), k.shape(1));
-    let q_begin = CUBE_POS_X as usize * block_q;
+    // Cubes are numbered head-major with the last query blocks first: under a causal mask
+    // those see the most keys, and starting them first shortens the tail of the launch.
+    let head = Head::from_index(CUBE_POS_X as usize, q.shape(1), k.shape(1));
+    let q_block = last_first(CUBE_POS_Y as usize, CUBE_COUNT_Y as usize);
+    let q_begin = q_block * block_q;
     let q_end = min(q_begin + block_q, seq_q);
     let plane_row = PLANE_POS as usize * FRAGMENT * m_tiles;
 
@@ -232,8 +238,8 @@ pub fn flash_forward_mma<F: Float>(
                         k_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
                         qk_ld,
                     );
-                    product(&q_frag, q_at, &kf, 0, &mut s_acc, t * s_tiles + 2 * n, config);
-                    product(&q_frag, q_at, &kf, 2, &mut s_acc, t * s_tiles + 2 * n + 1, config);
+                    mma(&q_frag, q_at, &kf, 0, &mut s_acc, t * s_tiles + 2 * n);
+                    mma(&q_frag, q_at, &kf, 2, &mut s_acc, t * s_tiles + 2 * n + 1);
                 }
             }
         }
@@ -258,10 +264,12 @@ pub fn flash_forward_mma<F: Float>(
                     let mut pair = s_acc[at];
                     #[unroll]
                     for e in 0..2usize {
-                        let mut s = score(pair.extract(e), scale, softcap, config.softcap);
-                        if comptime!(config.fast_exp) {
-                            s *= LOG2_E;
-                        }
+                        let dot = pair.extract(e);
+                        let mut s = if comptime!(config.softcap) {
+                            cap_log2 * (dot * pre_cap).tanh()
+                        } else {
+                            dot * scale_log2
+                        };
                         if needs_mask {
                             let key = k0 + i32::cast_from(n * TILE_COLS + 2 * in_group + e);
                             if !mask.is_visible(row, key) {
@@ -278,7 +286,7 @@ pub fn flash_forward_mma<F: Float>(
                 // Exponentials against 0 while the row has seen no visible key, so that
                 // masked scores (MASKED − 0) still give exactly 0.
                 let m_ref = select(m_new == f32::new(MASKED), 0.0, m_new);
-                let alpha = exponential(row_max[r] - m_ref, config.fast_exp);
+                let alpha = exp2_approx(row_max[r] - m_ref);
                 row_max[r] = m_new;
                 let mut block_sum = 0.0f32;
                 #[unroll]
@@ -287,7 +295,7 @@ pub fn flash_forward_mma<F: Float>(
                     let mut pair = s_acc[at];
                     #[unroll]
                     for e in 0..2usize {
-                        let p = exponential(pair.extract(e) - m_ref, config.fast_exp);
+                        let p = exp2_approx(pair.extract(e) - m_ref);
                         block_sum += p;
                         pair.insert(e, p);
                     }
@@ -342,8 +350,8 @@ pub fn flash_forward_mma<F: Float>(
                         v_base + kk * FRAGMENT * v_ld + n * FRAGMENT,
                         v_ld,
                     );
-                    product(&p, 0, &vf, 0, &mut o_acc, t * o_tiles + 2 * n, config);
-                    product(&p, 0, &vf, 2, &mut o_acc, t * o_tiles + 2 * n + 1, config);
+                    mma(&p, 0, &vf, 0, &mut o_acc, t * o_tiles + 2 * n);
+                    mma(&p, 0, &vf, 2, &mut o_acc, t * o_tiles + 2 * n + 1);
                 }
             }
         }
@@ -377,37 +385,17 @@ pub fn flash_forward_mma<F: Float>(
                     let lse_index = head.batch * lse.stride(0)
                         + head.head_q * lse.stride(1)
                         + row * lse.stride(2);
-                    let mut m = row_max[r];
-                    if comptime!(config.fast_exp) {
-                        m *= std::f32::consts::LN_2;
-                    }
-                    lse[lse_index] = select(sum > 0.0, m + sum.ln(), neg_inf);
+                    let lse_value = row_max[r] * std::f32::consts::LN_2 + sum.ln();
+                    lse[lse_index] = select(sum > 0.0, lse_value, neg_inf);
                 }
             }
         }
     }
 }
 
-/// `e^x`, or `2^x` by the fast instruction when the scores are in base 2.
-#[cube]
-fn exponential(x: f32, #[comptime] base_2: bool) -> f32 {
-    if base_2 { exp2_approx(x) } else { x.exp() }
-}
 
-/// `acc[tile] += A · B` (see [`crate::mma_sync::mma`]).
+/// Position `index` of `count` counted from the end.
 #[cube]
-fn product<F: Float>(
-    a: &Array<Pair<F>>,
-    a_at: usize,
-    b: &Array<Pair<F>>,
-    b_at: usize,
-    acc: &mut Array<Pair<f32>>,
-    tile: usize,
-    #[comptime] config: RegisterMmaConfig,
-) {
-    if comptime!(config.pure_mma) {
-        mma(a, a_at, b, b_at, acc, tile, config.ptx_type);
-    } else {
-        mma_cubecl(a, a_at, b, b_at, acc, tile);
-    }
+fn last_first(index: usize, count: usize) -> usize {
+    count - 1 - index
 }
