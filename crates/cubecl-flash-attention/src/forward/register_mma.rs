@@ -101,10 +101,11 @@ pub fn flash_forward_mma<F: Float>(
         row_max[r] = f32::new(MASKED);
         row_sum[r] = 0.0;
     }
+    // Q fragments: all of them, or those of one reduction step (re-read per key block).
     let q_pairs = comptime!(if config.q_in_registers {
         4 * m_tiles * k_steps
     } else {
-        4
+        4 * m_tiles
     });
     let mut q_frag = Array::<Pair<F>>::new(q_pairs);
 
@@ -210,12 +211,13 @@ pub fn flash_forward_mma<F: Float>(
         for i in 0..comptime!(2 * m_tiles * s_tiles) {
             s_acc[i] = Pair::<f32>::cast_from(0.0f32);
         }
+        // Each K fragment serves every query tile of the plane.
         let k_base = stage * k_stage;
         #[unroll]
         for kk in 0..k_steps {
-            #[unroll]
-            for t in 0..m_tiles {
-                if comptime!(!config.q_in_registers) {
+            if comptime!(!config.q_in_registers) {
+                #[unroll]
+                for t in 0..m_tiles {
                     let frag = load_a(
                         &q_tile,
                         (plane_row + t * FRAGMENT) * qk_ld + kk * FRAGMENT,
@@ -223,21 +225,24 @@ pub fn flash_forward_mma<F: Float>(
                     );
                     #[unroll]
                     for i in 0..4usize {
-                        q_frag[i] = frag[i];
+                        q_frag[t * 4 + i] = frag[i];
                     }
                 }
-                let q_at = comptime!(if config.q_in_registers {
-                    (t * k_steps + kk) * 4
-                } else {
-                    0
-                });
+            }
+            #[unroll]
+            for n in 0..comptime!(s_tiles / 2) {
+                let kf = load_b_transposed(
+                    &k_tile,
+                    k_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
+                    qk_ld,
+                );
                 #[unroll]
-                for n in 0..comptime!(s_tiles / 2) {
-                    let kf = load_b_transposed(
-                        &k_tile,
-                        k_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
-                        qk_ld,
-                    );
+                for t in 0..m_tiles {
+                    let q_at = if comptime!(config.q_in_registers) {
+                        (t * k_steps + kk) * 4
+                    } else {
+                        t * 4
+                    };
                     mma(&q_frag, q_at, &kf, 0, &mut s_acc, t * s_tiles + 2 * n);
                     mma(&q_frag, q_at, &kf, 2, &mut s_acc, t * s_tiles + 2 * n + 1);
                 }
@@ -337,21 +342,26 @@ pub fn flash_forward_mma<F: Float>(
                 v_landed_1.commit_copy_async();
             }
         }
+        // Each V fragment serves every query tile of the plane.
         let v_base = stage * v_stage;
         #[unroll]
         for kk in 0..kv_steps {
+            let mut p = Array::<Pair<F>>::new(comptime!(4 * m_tiles));
             #[unroll]
             for t in 0..m_tiles {
-                let p = accumulators_as_a::<F>(&s_acc, t * s_tiles + 2 * kk);
+                let frag = accumulators_as_a::<F>(&s_acc, t * s_tiles + 2 * kk);
                 #[unroll]
-                for n in 0..comptime!(o_tiles / 2) {
-                    let vf = load_b(
-                        &v_tile,
-                        v_base + kk * FRAGMENT * v_ld + n * FRAGMENT,
-                        v_ld,
-                    );
-                    mma(&p, 0, &vf, 0, &mut o_acc, t * o_tiles + 2 * n);
-                    mma(&p, 0, &vf, 2, &mut o_acc, t * o_tiles + 2 * n + 1);
+                for i in 0..4usize {
+                    p[t * 4 + i] = frag[i];
+                }
+            }
+            #[unroll]
+            for n in 0..comptime!(o_tiles / 2) {
+                let vf = load_b(&v_tile, v_base + kk * FRAGMENT * v_ld + n * FRAGMENT, v_ld);
+                #[unroll]
+                for t in 0..m_tiles {
+                    mma(&p, t * 4, &vf, 0, &mut o_acc, t * o_tiles + 2 * n);
+                    mma(&p, t * 4, &vf, 2, &mut o_acc, t * o_tiles + 2 * n + 1);
                 }
             }
         }
