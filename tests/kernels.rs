@@ -41,10 +41,12 @@ fn shapes(case: &Case) -> ([usize; 4], [usize; 4], [usize; 4], [usize; 4]) {
 /// Runs forward and backward on the device (outputs poisoned with NaN first) and checks
 /// everything against the oracle.
 fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool, path: KernelPath) {
-    if path == KernelPath::RegisterMma && !(case.dims.dim_qk % 8 == 0 && case.dims.dim_v % 8 == 0)
-    {
+    if path == KernelPath::RegisterMma && !(case.dims.dim_qk % 8 == 0 && case.dims.dim_v % 8 == 0) {
         // 16-byte copies: `Auto` runs these head dims on the cmma path (tested there).
-        eprintln!("RegisterMma skips head dims {}/{}", case.dims.dim_qk, case.dims.dim_v);
+        eprintln!(
+            "RegisterMma skips head dims {}/{}",
+            case.dims.dim_qk, case.dims.dim_v
+        );
         return;
     }
     let (seed, mut rng) = common::rng();
@@ -344,7 +346,10 @@ fn the_register_path_refuses_what_it_cannot_read() {
         };
         // A head dim that is not a multiple of 8.
         let err = run([1, 2, 33, 39], None, KernelPath::RegisterMma).unwrap_err();
-        assert!(matches!(err, FlashError::Unavailable(_)), "{dtype:?}: {err}");
+        assert!(
+            matches!(err, FlashError::Unavailable(_)),
+            "{dtype:?}: {err}"
+        );
         if !common::paths(&client, dtype).contains(&KernelPath::RegisterMma) {
             assert!(err.to_string().contains("mma"), "{err}");
             continue;

@@ -373,7 +373,14 @@ pub fn choose_register_mma_tiles(
         softcap: problem.options.softcap.is_some(),
         q_in_registers: true,
     };
-    let candidates = [(2, 64, true), (2, 64, false), (1, 64, true), (1, 64, false), (1, 32, false), (1, 16, false)];
+    let candidates = [
+        (2, 64, true),
+        (2, 64, false),
+        (1, 64, true),
+        (1, 64, false),
+        (1, 32, false),
+        (1, 16, false),
+    ];
     candidates
         .into_iter()
         .map(|(m_tiles, block_kv, q_in_registers)| RegisterMmaConfig {
@@ -511,8 +518,14 @@ mod tests {
     #[test]
     fn the_path_follows_the_device() {
         use KernelPath::*;
-        assert_eq!(choose_path(Auto, FloatDtype::BF16, &NVIDIA), Ok(RegisterMma));
-        assert_eq!(choose_path(TensorCore, FloatDtype::BF16, &NVIDIA), Ok(TensorCore));
+        assert_eq!(
+            choose_path(Auto, FloatDtype::BF16, &NVIDIA),
+            Ok(RegisterMma)
+        );
+        assert_eq!(
+            choose_path(TensorCore, FloatDtype::BF16, &NVIDIA),
+            Ok(TensorCore)
+        );
         assert!(matches!(
             choose_path(RegisterMma, FloatDtype::F16, &AMD),
             Err(FlashError::Unavailable(_))
@@ -546,17 +559,38 @@ mod tests {
                 let mut p = problem(d, d);
                 p.dtype = dtype;
                 let c = choose_register_mma_tiles(&p, &NVIDIA).unwrap();
-                assert!(c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET, "d={d}");
-                assert!(c.forward_shared_bytes(2) <= NVIDIA.max_shared_memory, "d={d}");
+                assert!(
+                    c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET,
+                    "d={d}"
+                );
+                assert!(
+                    c.forward_shared_bytes(2) <= NVIDIA.max_shared_memory,
+                    "d={d}"
+                );
                 assert_eq!(c.units(), 4 * MMA_SYNC_PLANE);
                 assert_eq!(c.block_kv % FRAGMENT, 0);
                 assert_eq!(c.dim_v_padded() % FRAGMENT, 0);
             }
         }
         // Two query tiles per plane where they fit; one for the largest head dims.
-        assert_eq!(choose_register_mma_tiles(&problem(64, 64), &NVIDIA).unwrap().m_tiles, 2);
-        assert_eq!(choose_register_mma_tiles(&problem(128, 128), &NVIDIA).unwrap().m_tiles, 2);
-        assert_eq!(choose_register_mma_tiles(&problem(256, 256), &NVIDIA).unwrap().m_tiles, 1);
+        assert_eq!(
+            choose_register_mma_tiles(&problem(64, 64), &NVIDIA)
+                .unwrap()
+                .m_tiles,
+            2
+        );
+        assert_eq!(
+            choose_register_mma_tiles(&problem(128, 128), &NVIDIA)
+                .unwrap()
+                .m_tiles,
+            2
+        );
+        assert_eq!(
+            choose_register_mma_tiles(&problem(256, 256), &NVIDIA)
+                .unwrap()
+                .m_tiles,
+            1
+        );
         // Head dims the 16-byte copies cannot read, and devices without the instructions.
         assert!(matches!(
             choose_register_mma_tiles(&problem(111, 111), &NVIDIA),

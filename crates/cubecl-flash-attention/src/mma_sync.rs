@@ -35,10 +35,19 @@ fn definition<F: Float>() -> MmaDefinition<F, F, f32> {
 /// The A fragment of the 16×16 tile at `offset` of a row-major tile with row stride `ld`
 /// (one `ldmatrix.x4`: lanes 0–15 address rows 0–15 at column 0, lanes 16–31 at column 8).
 #[cube]
-pub fn load_a<F: Float>(tile: &Shared<[F]>, offset: usize, #[comptime] ld: usize) -> Array<Pair<F>> {
+pub fn load_a<F: Float>(
+    tile: &Shared<[F]>,
+    offset: usize,
+    #[comptime] ld: usize,
+) -> Array<Pair<F>> {
     let lane = UNIT_POS_PLANE as usize;
     let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
-    definition::<F>().load_matrix::<F, Const<2>>(&tile[start..start + ROW], MatrixIdent::A, 4usize, false)
+    definition::<F>().load_matrix::<F, Const<2>>(
+        &tile[start..start + ROW],
+        MatrixIdent::A,
+        4usize,
+        false,
+    )
 }
 
 /// The B fragments of two neighbouring 8-column tiles of `Xᵀ`, for the 16×16 block of `X`
@@ -55,17 +64,31 @@ pub fn load_b_transposed<F: Float>(
     // Matrix `lane / 8`: rows 0–7 or 8–15 (bit 1), columns 0–7 or 8–15 (bit 0).
     let matrix = lane / ROW;
     let start = offset + (lane % ROW + (matrix / 2) * ROW) * ld + (matrix % 2) * ROW;
-    definition::<F>().load_matrix::<F, Const<2>>(&tile[start..start + ROW], MatrixIdent::B, 4usize, false)
+    definition::<F>().load_matrix::<F, Const<2>>(
+        &tile[start..start + ROW],
+        MatrixIdent::B,
+        4usize,
+        false,
+    )
 }
 
 /// The B fragments of two neighbouring 8-column tiles of the 16×16 block of `X` at `offset`
 /// (row-major, stride `ld`; rows of `X` are the reduction `k`, as the keys of `V` in `P·V`),
 /// read transposed by `ldmatrix.trans`. Pairs 0–1 are columns 0–7, pairs 2–3 columns 8–15.
 #[cube]
-pub fn load_b<F: Float>(tile: &Shared<[F]>, offset: usize, #[comptime] ld: usize) -> Array<Pair<F>> {
+pub fn load_b<F: Float>(
+    tile: &Shared<[F]>,
+    offset: usize,
+    #[comptime] ld: usize,
+) -> Array<Pair<F>> {
     let lane = UNIT_POS_PLANE as usize;
     let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
-    definition::<F>().load_matrix::<F, Const<2>>(&tile[start..start + ROW], MatrixIdent::B, 4usize, true)
+    definition::<F>().load_matrix::<F, Const<2>>(
+        &tile[start..start + ROW],
+        MatrixIdent::B,
+        4usize,
+        true,
+    )
 }
 
 /// `acc[tile] += A · B` for the A fragment at pairs `a_at..a_at + 4` of `a` and the B fragment

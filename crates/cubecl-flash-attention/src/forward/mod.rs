@@ -189,9 +189,7 @@ fn forward_path(
 /// Whether every row of `t` starts on a 16-byte boundary and is contiguous.
 fn readable_by_16_byte_copies(t: &DeviceTensor, elem: usize) -> bool {
     let offset = t.handle.offset_start.unwrap_or(0) as usize;
-    t.strides[3] == 1
-        && t.strides[..3].iter().all(|s| (s * elem) % 16 == 0)
-        && offset % 16 == 0
+    t.strides[3] == 1 && t.strides[..3].iter().all(|s| (s * elem) % 16 == 0) && offset % 16 == 0
 }
 
 /// Tiles of the register-level forward kernel. `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers`
@@ -202,7 +200,10 @@ pub(crate) fn register_mma_config(
 ) -> Result<RegisterMmaConfig, FlashError> {
     let mut config = choose_register_mma_tiles(problem, limits)?;
     if let Ok(tiles) = std::env::var("FLASH_MMA_TILES") {
-        let parts: Vec<usize> = tiles.split(',').filter_map(|p| p.trim().parse().ok()).collect();
+        let parts: Vec<usize> = tiles
+            .split(',')
+            .filter_map(|p| p.trim().parse().ok())
+            .collect();
         match parts[..] {
             [m_tiles, block_kv, q_in_registers]
                 if (1..=2).contains(&m_tiles) && block_kv % 16 == 0 && block_kv > 0 =>

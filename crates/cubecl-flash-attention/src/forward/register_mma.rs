@@ -403,7 +403,6 @@ pub fn flash_forward_mma<F: Float>(
     }
 }
 
-
 /// Position `index` of `count` counted from the end.
 #[cube]
 fn last_first(index: usize, count: usize) -> usize {
