@@ -68,9 +68,8 @@ pub fn forward_into(
     }
     let limits = DeviceLimits::from_properties(client.properties());
     let (left, right) = window_args(&problem);
-    match forward_path(path, &problem, &limits, [q, k, v])? {
-        KernelPath::RegisterMma => {
-            let config = register_mma_config(&problem, &limits)?;
+    match plan(path, &problem, &limits, [q, k, v])? {
+        Plan::RegisterMma(config) => {
             // Head-major: see the kernel.
             let count = CubeCount::Static(
                 (problem.batch * problem.heads_q) as u32,
@@ -97,7 +96,7 @@ pub fn forward_into(
                 );
             }
         }
-        KernelPath::TensorCore => {
+        Plan::TensorCore => {
             let config = mma_config(&problem, &limits)?;
             let count = CubeCount::Static(
                 problem.seq_q.div_ceil(config.block_rows()) as u32,
@@ -124,7 +123,7 @@ pub fn forward_into(
                 );
             }
         }
-        KernelPath::Auto | KernelPath::Portable => {
+        Plan::Portable => {
             let config = portable_config(&problem, &limits)?;
             let (count, dim) = grid(&config, problem.seq_q, problem.batch, problem.heads_q);
             unsafe {
@@ -151,20 +150,31 @@ pub fn forward_into(
     Ok(())
 }
 
-/// The path that runs: [`choose_path`]'s, except that `Auto` steps down from the
-/// register-level path to the `cmma` one for problems that path does not take (head dims not
-/// a multiple of 8, inputs not readable by 16-byte copies).
-fn forward_path(
+/// The kernel that runs, with the register-level path's tiles.
+enum Plan {
+    RegisterMma(RegisterMmaConfig),
+    TensorCore,
+    Portable,
+}
+
+/// [`choose_path`]'s path, except that `Auto` steps down from the register-level path to the
+/// `cmma` one for problems that path does not take (head dims not a multiple of 8, inputs not
+/// readable by 16-byte copies).
+fn plan(
     requested: KernelPath,
     problem: &AttentionProblem,
     limits: &DeviceLimits,
     inputs: [&DeviceTensor; 3],
-) -> Result<KernelPath, FlashError> {
+) -> Result<Plan, FlashError> {
+    let from_path = |path| match path {
+        KernelPath::TensorCore => Plan::TensorCore,
+        _ => Plan::Portable,
+    };
     let chosen = choose_path(requested, problem.dtype, limits)?;
     if chosen != KernelPath::RegisterMma {
-        return Ok(chosen);
+        return Ok(from_path(chosen));
     }
-    let fits = register_mma_config(problem, limits).and_then(|_| {
+    let fits = register_mma_config(problem, limits).and_then(|config| {
         for (name, t) in ["query", "key", "value"].into_iter().zip(inputs) {
             if !readable_by_16_byte_copies(t, problem.dtype.size()) {
                 return Err(FlashError::Unavailable(format!(
@@ -175,12 +185,12 @@ fn forward_path(
                 )));
             }
         }
-        Ok(())
+        Ok(config)
     });
     match fits {
-        Ok(()) => Ok(KernelPath::RegisterMma),
+        Ok(config) => Ok(Plan::RegisterMma(config)),
         Err(_) if requested == KernelPath::Auto => {
-            choose_path(KernelPath::TensorCore, problem.dtype, limits)
+            choose_path(KernelPath::TensorCore, problem.dtype, limits).map(from_path)
         }
         Err(e) => Err(e),
     }
@@ -211,6 +221,13 @@ pub(crate) fn register_mma_config(
                 config.m_tiles = m_tiles;
                 config.block_kv = block_kv;
                 config.q_in_registers = q_in_registers != 0;
+                let bytes = config.forward_shared_bytes(problem.dtype.size());
+                if bytes > limits.max_shared_memory {
+                    return Err(FlashError::InvalidConfig(format!(
+                        "FLASH_MMA_TILES={tiles} needs {bytes} bytes of shared memory; the device offers {}",
+                        limits.max_shared_memory
+                    )));
+                }
             }
             _ => {
                 return Err(FlashError::InvalidConfig(format!(
