@@ -32,41 +32,22 @@ fn definition<F: Float>() -> MmaDefinition<F, F, f32> {
     MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize)
 }
 
-/// Four 8×8 matrices of the 16×16 block at `offset` of a row-major tile with row stride
-/// `ld` (one `ldmatrix.x4`), read as `ident` fragments, transposed or not. `start` is the
-/// 16-byte row this lane addresses.
-#[cube]
-fn load_x4<F: Float>(
-    tile: &Shared<[F]>,
-    start: usize,
-    #[comptime] ident: MatrixIdent,
-    #[comptime] transpose: bool,
-) -> Array<Pair<F>> {
-    definition::<F>().load_matrix::<F, Const<2>>(
-        &tile[start..start + ROW],
-        ident,
-        4usize,
-        transpose,
-    )
-}
-
-/// The 16-byte row lane `l` addresses when the four matrices are the block's quarters in
-/// column-major order (rows 0–7 and 8–15 of columns 0–7, then of columns 8–15): lanes 0–15
-/// address rows 0–15 at column 0, lanes 16–31 at column 8.
-#[cube]
-fn quarters_by_column(offset: usize, #[comptime] ld: usize) -> usize {
-    let lane = UNIT_POS_PLANE as usize;
-    offset + (lane % 16) * ld + (lane / 16) * ROW
-}
-
-/// The A fragment of the 16×16 tile at `offset` of a row-major tile with row stride `ld`.
+/// The A fragment of the 16×16 tile at `offset` of a row-major tile with row stride `ld`
+/// (one `ldmatrix.x4`: lanes 0–15 address rows 0–15 at column 0, lanes 16–31 at column 8).
 #[cube]
 pub fn load_a<F: Float>(
     tile: &Shared<[F]>,
     offset: usize,
     #[comptime] ld: usize,
 ) -> Array<Pair<F>> {
-    load_x4(tile, quarters_by_column(offset, ld), MatrixIdent::A, false)
+    let lane = UNIT_POS_PLANE as usize;
+    let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
+    definition::<F>().load_matrix::<F, Const<2>>(
+        &tile[start..start + ROW],
+        MatrixIdent::A,
+        4usize,
+        false,
+    )
 }
 
 /// The B fragments of two neighbouring 8-column tiles of `Xᵀ`, for the 16×16 block of `X`
@@ -83,7 +64,12 @@ pub fn load_b_transposed<F: Float>(
     // Matrix `lane / 8`: rows 0–7 or 8–15 (bit 1), columns 0–7 or 8–15 (bit 0).
     let matrix = lane / ROW;
     let start = offset + (lane % ROW + (matrix / 2) * ROW) * ld + (matrix % 2) * ROW;
-    load_x4(tile, start, MatrixIdent::B, false)
+    definition::<F>().load_matrix::<F, Const<2>>(
+        &tile[start..start + ROW],
+        MatrixIdent::B,
+        4usize,
+        false,
+    )
 }
 
 /// The B fragments of two neighbouring 8-column tiles of the 16×16 block of `X` at `offset`
@@ -95,7 +81,14 @@ pub fn load_b<F: Float>(
     offset: usize,
     #[comptime] ld: usize,
 ) -> Array<Pair<F>> {
-    load_x4(tile, quarters_by_column(offset, ld), MatrixIdent::B, true)
+    let lane = UNIT_POS_PLANE as usize;
+    let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
+    definition::<F>().load_matrix::<F, Const<2>>(
+        &tile[start..start + ROW],
+        MatrixIdent::B,
+        4usize,
+        true,
+    )
 }
 
 /// `acc[tile] += A · B` for the A fragment at pairs `a_at..a_at + 4` of `a` and the B fragment

@@ -237,6 +237,8 @@ pub fn stage_rows_async<F: Float>(
     #[comptime] units: usize,
 ) {
     let seq = t.shape(2);
+    let base = batch * t.stride(0) + head * t.stride(1);
+    let row_stride = t.stride(2);
     let per_row = comptime!(padded / COPY);
     let total = comptime!(rows * per_row);
     #[unroll]
@@ -247,7 +249,7 @@ pub fn stage_rows_async<F: Float>(
             let c = (idx % per_row) * COPY;
             let dst = offset + r * stride + c;
             if first + r < seq && c < dim {
-                let src = row_offset(t, batch, head, first + r) + c;
+                let src = base + (first + r) * row_stride + c;
                 copy_async(&t[src..src + COPY], &mut tile[dst..dst + COPY], COPY as u32);
             } else {
                 #[unroll]

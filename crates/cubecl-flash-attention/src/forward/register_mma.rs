@@ -102,14 +102,12 @@ pub fn flash_forward_mma<F: Float>(
         row_sum[r] = 0.0;
     }
     // Q fragments: all of them, or those of one reduction step (re-read per key block).
-    // Q tile `t`'s fragment of step `kk` is at pairs `4·kk + t·q_stride` (all of them kept),
-    // or at `t·q_stride` (one step at a time).
-    let q_stride = comptime!(if config.q_in_registers {
-        4 * k_steps
+    let q_pairs = comptime!(if config.q_in_registers {
+        4 * m_tiles * k_steps
     } else {
-        4
+        4 * m_tiles
     });
-    let mut q_frag = Array::<Pair<F>>::new(comptime!(m_tiles * q_stride));
+    let mut q_frag = Array::<Pair<F>>::new(q_pairs);
 
     if blocks.count > 0 {
         let k0 = usize::cast_from(blocks.first);
@@ -165,20 +163,26 @@ pub fn flash_forward_mma<F: Float>(
 
         // K of this block (and Q, with the first) has landed; every unit is done with the
         // previous block, so the other stage may be refilled.
-        arrive_and_wait(&k_landed_0, &k_landed_1, stage);
+        if stage == 0 {
+            k_landed_0.arrive_and_wait();
+        } else {
+            k_landed_1.arrive_and_wait();
+        }
         if comptime!(config.q_in_registers) && block == 0 {
             #[unroll]
-            for kk in 0..k_steps {
-                load_q_step(
-                    &q_tile,
-                    plane_row,
-                    kk,
-                    &mut q_frag,
-                    kk * 4,
-                    q_stride,
-                    m_tiles,
-                    qk_ld,
-                );
+            for t in 0..m_tiles {
+                #[unroll]
+                for kk in 0..k_steps {
+                    let frag = load_a(
+                        &q_tile,
+                        (plane_row + t * FRAGMENT) * qk_ld + kk * FRAGMENT,
+                        qk_ld,
+                    );
+                    #[unroll]
+                    for i in 0..4usize {
+                        q_frag[(t * k_steps + kk) * 4 + i] = frag[i];
+                    }
+                }
             }
         }
         if has_next {
@@ -195,7 +199,11 @@ pub fn flash_forward_mma<F: Float>(
                 qk_ld,
                 units,
             );
-            commit(&k_landed_0, &k_landed_1, next);
+            if next == 0 {
+                k_landed_0.commit_copy_async();
+            } else {
+                k_landed_1.commit_copy_async();
+            }
         }
 
         // 1. S = Q·Kᵀ.
@@ -207,21 +215,20 @@ pub fn flash_forward_mma<F: Float>(
         let k_base = stage * k_stage;
         #[unroll]
         for kk in 0..k_steps {
-            let q_first = if comptime!(config.q_in_registers) {
-                kk * 4
-            } else {
-                load_q_step(
-                    &q_tile,
-                    plane_row,
-                    kk,
-                    &mut q_frag,
-                    0,
-                    q_stride,
-                    m_tiles,
-                    qk_ld,
-                );
-                0
-            };
+            if comptime!(!config.q_in_registers) {
+                #[unroll]
+                for t in 0..m_tiles {
+                    let frag = load_a(
+                        &q_tile,
+                        (plane_row + t * FRAGMENT) * qk_ld + kk * FRAGMENT,
+                        qk_ld,
+                    );
+                    #[unroll]
+                    for i in 0..4usize {
+                        q_frag[t * 4 + i] = frag[i];
+                    }
+                }
+            }
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
                 let kf = load_b_transposed(
@@ -231,7 +238,11 @@ pub fn flash_forward_mma<F: Float>(
                 );
                 #[unroll]
                 for t in 0..m_tiles {
-                    let q_at = q_first + t * q_stride;
+                    let q_at = if comptime!(config.q_in_registers) {
+                        (t * k_steps + kk) * 4
+                    } else {
+                        t * 4
+                    };
                     mma(&q_frag, q_at, &kf, 0, &mut s_acc, t * s_tiles + 2 * n);
                     mma(&q_frag, q_at, &kf, 2, &mut s_acc, t * s_tiles + 2 * n + 1);
                 }
@@ -306,7 +317,11 @@ pub fn flash_forward_mma<F: Float>(
         }
 
         // 3. O += P·V, once V of this block has landed.
-        arrive_and_wait(&v_landed_0, &v_landed_1, stage);
+        if stage == 0 {
+            v_landed_0.arrive_and_wait();
+        } else {
+            v_landed_1.arrive_and_wait();
+        }
         if has_next {
             stage_rows_async(
                 v,
@@ -321,7 +336,11 @@ pub fn flash_forward_mma<F: Float>(
                 v_ld,
                 units,
             );
-            commit(&v_landed_0, &v_landed_1, next);
+            if next == 0 {
+                v_landed_0.commit_copy_async();
+            } else {
+                v_landed_1.commit_copy_async();
+            }
         }
         // Each V fragment serves every query tile of the plane.
         let v_base = stage * v_stage;
@@ -388,48 +407,4 @@ pub fn flash_forward_mma<F: Float>(
 #[cube]
 fn last_first(index: usize, count: usize) -> usize {
     count - 1 - index
-}
-
-/// The A fragments of Q for reduction step `kk` of each of the plane's `m_tiles` query tiles,
-/// into `frag` at pairs `first + t · stride`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_q_step<F: Float>(
-    q_tile: &Shared<[F]>,
-    plane_row: usize,
-    kk: usize,
-    frag: &mut Array<Pair<F>>,
-    first: usize,
-    #[comptime] stride: usize,
-    #[comptime] m_tiles: usize,
-    #[comptime] ld: usize,
-) {
-    #[unroll]
-    for t in 0..m_tiles {
-        let tile = load_a(q_tile, (plane_row + t * FRAGMENT) * ld + kk * FRAGMENT, ld);
-        #[unroll]
-        for i in 0..4usize {
-            frag[first + t * stride + i] = tile[i];
-        }
-    }
-}
-
-/// Waits until the copies into stage `stage` (`landed_0` or `landed_1`) have landed.
-#[cube]
-fn arrive_and_wait(landed_0: &Shared<Barrier>, landed_1: &Shared<Barrier>, stage: usize) {
-    if stage == 0 {
-        landed_0.arrive_and_wait();
-    } else {
-        landed_1.arrive_and_wait();
-    }
-}
-
-/// Makes the copies this unit issued into stage `stage` land on its barrier.
-#[cube]
-fn commit(landed_0: &Shared<Barrier>, landed_1: &Shared<Barrier>, stage: usize) {
-    if stage == 0 {
-        landed_0.commit_copy_async();
-    } else {
-        landed_1.commit_copy_async();
-    }
 }
