@@ -401,6 +401,81 @@ pub fn choose_register_mma_tiles(
         })
 }
 
+/// The compile-time configuration of the register-level backward kernels.
+///
+/// Each of the cube's `planes` planes owns 16 rows: keys in the dK/dV kernel, queries in
+/// the dQ kernel. Blocks of `block_stream` rows of the other side (queries, keys) are
+/// double-buffered in shared memory. Head dims as in [`RegisterMmaConfig`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RegisterBackwardConfig {
+    pub planes: usize,
+    pub block_stream: usize,
+    pub dim_qk: usize,
+    pub dim_v: usize,
+    pub masked: bool,
+    pub softcap: bool,
+}
+
+impl RegisterBackwardConfig {
+    pub fn block_rows(&self) -> usize {
+        self.planes * FRAGMENT
+    }
+    pub fn units(&self) -> usize {
+        self.planes * MMA_SYNC_PLANE
+    }
+    pub fn dim_qk_padded(&self) -> usize {
+        self.dim_qk.next_multiple_of(FRAGMENT)
+    }
+    pub fn dim_v_padded(&self) -> usize {
+        self.dim_v.next_multiple_of(FRAGMENT)
+    }
+    /// Bytes of shared memory of either kernel with `elem`-byte inputs: the cube's own rows
+    /// of two tensors (K and V, or Q and dO), and two stages of the streamed two.
+    pub fn shared_bytes(&self, elem: usize) -> usize {
+        let row = RegisterMmaConfig::stride(self.dim_qk_padded())
+            + RegisterMmaConfig::stride(self.dim_v_padded());
+        elem * row * (self.block_rows() + 2 * self.block_stream)
+    }
+    /// f32 registers of one unit's accumulators in the dK/dV kernel, the larger of the two:
+    /// dK and dV of the plane's 16 keys, and `Sᵀ`, `dPᵀ` of a query block.
+    pub fn accumulator_registers(&self) -> usize {
+        (self.dim_qk_padded() + self.dim_v_padded()) / 2 + self.block_stream
+    }
+}
+
+/// Picks the register-level backward tiles for `problem`: 4 planes of 16 rows, and the
+/// largest streamed block (64, 32 or 16 rows) whose accumulators fit the register budget.
+/// Head dims whose dK and dV accumulators alone overflow it (`d_qk + d_v > 352`) have none.
+pub fn choose_register_backward_tiles(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<RegisterBackwardConfig, FlashError> {
+    // The forward's conditions: the instructions, and head dims the 16-byte copies read.
+    choose_register_mma_tiles(problem, limits)?;
+    let planes = 4.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
+    [64, 32, 16]
+        .into_iter()
+        .map(|block_stream| RegisterBackwardConfig {
+            planes,
+            block_stream,
+            dim_qk: problem.dim_qk,
+            dim_v: problem.dim_v,
+            masked: problem.options.mask.is_masked(),
+            softcap: problem.options.softcap.is_some(),
+        })
+        .find(|c| {
+            c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET
+                && c.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory
+        })
+        .ok_or_else(|| {
+            FlashError::InvalidConfig(format!(
+                "head dims {}/{}: dK and dV of 16 keys do not fit the register-level backward's \
+                 {MMA_SYNC_REGISTER_BUDGET}-register budget",
+                problem.dim_qk, problem.dim_v
+            ))
+        })
+}
+
 /// Resolves `Auto` to the fastest path the device has for `dtype`; a requested path the
 /// device lacks is an error.
 pub fn choose_path(
@@ -598,6 +673,36 @@ mod tests {
         ));
         assert!(matches!(
             choose_register_mma_tiles(&problem(64, 64), &AMD),
+            Err(FlashError::Unavailable(_))
+        ));
+    }
+
+    #[test]
+    fn register_backward_tiles_fit_registers_and_shared_memory() {
+        for d in [40, 64, 96, 128] {
+            let c = choose_register_backward_tiles(&problem(d, d), &NVIDIA).unwrap();
+            assert!(c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET, "d={d}");
+            assert!(c.shared_bytes(2) <= NVIDIA.max_shared_memory, "d={d}");
+            assert_eq!(c.block_stream, 64, "d={d}");
+            assert_eq!(c.block_rows(), 4 * FRAGMENT);
+        }
+        // 16 keys of dK and dV in d256 take 256 registers alone.
+        assert!(matches!(
+            choose_register_backward_tiles(&problem(256, 256), &NVIDIA),
+            Err(FlashError::InvalidConfig(_))
+        ));
+        assert_eq!(
+            choose_register_backward_tiles(&problem(192, 128), &NVIDIA)
+                .unwrap()
+                .block_stream,
+            32
+        );
+        assert!(matches!(
+            choose_register_backward_tiles(&problem(111, 111), &NVIDIA),
+            Err(FlashError::Unavailable(_))
+        ));
+        assert!(matches!(
+            choose_register_backward_tiles(&problem(64, 64), &AMD),
             Err(FlashError::Unavailable(_))
         ));
     }

@@ -21,6 +21,8 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
+use crate::config::FRAGMENT;
+
 /// Two neighbouring elements of a fragment.
 pub type Pair<E> = Vector<E, Const<2>>;
 
@@ -138,4 +140,35 @@ pub fn zeros(#[comptime] n: usize) -> Array<Pair<f32>> {
         acc[i] = Pair::<f32>::cast_from(0.0f32);
     }
     acc
+}
+
+/// Writes the lane's elements of row `row` of `t` from accumulator tiles side by side: pairs
+/// `2n + half` of `acc` (half 0 for the lane's row `g`, 1 for `g + 8`) are columns
+/// `8n + 2·in_group` and the next one, times `factor`. Columns from `dim` on are padding.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn store_row<F: Float>(
+    t: &mut Tensor<F>,
+    batch: usize,
+    head: usize,
+    row: usize,
+    acc: &Array<Pair<f32>>,
+    half: usize,
+    factor: f32,
+    in_group: usize,
+    #[comptime] dim: usize,
+) {
+    let base = batch * t.stride(0) + head * t.stride(1) + row * t.stride(2);
+    let col_stride = t.stride(3);
+    #[unroll]
+    for n in 0..comptime!(dim.next_multiple_of(FRAGMENT) / 8) {
+        let pair = acc[2 * n + half];
+        #[unroll]
+        for e in 0..2usize {
+            let col = n * 8 + 2 * in_group + e;
+            if col < dim {
+                t[base + col * col_stride] = F::cast_from(pair.extract(e) * factor);
+            }
+        }
+    }
 }

@@ -21,7 +21,8 @@ use cubecl_cpp::shared::{
 
 use crate::backward::{
     dkdv_mma_config, dkdv_portable_config, dq_mma_config, dq_portable_config, flash_backward_delta,
-    flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dq, flash_backward_dq_cmma,
+    flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dkdv_mma, flash_backward_dq,
+    flash_backward_dq_cmma, flash_backward_dq_mma, register_backward_config,
 };
 use crate::config::DeviceLimits;
 use crate::forward::{
@@ -496,6 +497,53 @@ fn kernels(
                 )) as Box<dyn CubeKernel>
             }),
         ));
+        // The backward's own kernels where its accumulators fit registers (otherwise it runs
+        // the `cmma` kernels below).
+        if let Ok(c) = register_backward_config(problem, limits) {
+            kernels.push((
+                "backward_dkdv_mma",
+                Ok(Box::new(flash_backward_dkdv_mma::FlashBackwardDkdvMma::new(
+                    settings(c.units()),
+                    props.clone(),
+                    tprops.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    (),
+                    (),
+                    (),
+                    c,
+                    elem,
+                ))),
+            ));
+            kernels.push((
+                "backward_dq_mma",
+                Ok(Box::new(flash_backward_dq_mma::FlashBackwardDqMma::new(
+                    settings(c.units()),
+                    props.clone(),
+                    tprops.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    (),
+                    (),
+                    (),
+                    c,
+                    elem,
+                ))),
+            ));
+        }
     }
     if !limits.has_tensor_cores(problem.dtype) {
         return kernels;

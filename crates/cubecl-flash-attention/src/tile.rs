@@ -260,3 +260,9 @@ pub fn stage_rows_async<F: Float>(
         }
     }
 }
+
+/// Position `index` of `count` counted from the end.
+#[cube]
+pub fn last_first(index: usize, count: usize) -> usize {
+    count - 1 - index
+}

@@ -4,32 +4,42 @@
 //! 2. [`flash_backward_dkdv`]: `dK`, `dV` per key block (GQA groups summed in the cube);
 //! 3. [`flash_backward_dq`]: `dQ` per query block.
 //!
-//! Steps 2 and 3 have a portable form and a tensor-core form
-//! ([`flash_backward_dkdv_cmma`], [`flash_backward_dq_cmma`]), chosen as in the forward.
+//! Steps 2 and 3 have a portable form, a tensor-core form ([`flash_backward_dkdv_cmma`],
+//! [`flash_backward_dq_cmma`]) and a register-level form ([`flash_backward_dkdv_mma`],
+//! [`flash_backward_dq_mma`]), chosen as in the forward. The register-level path steps down
+//! to the `cmma` kernels where its kernels cannot take the problem: dK and dV accumulators
+//! too large for registers (`d_qk + d_v > 352`), or inputs not readable by 16-byte copies.
 //!
 //! Extra device memory: `D`, `[b, h_q, s_q]` f32. No `s × s` buffer, no atomics: the
 //! result is bitwise identical from run to run.
 
 mod dkdv;
 mod dkdv_cmma;
+mod dkdv_register_mma;
 mod dq;
 mod dq_cmma;
+mod dq_register_mma;
 mod preprocess;
 
 use cubecl::prelude::*;
 
 use crate::config::{
-    DeviceLimits, KernelPath, MmaConfig, TileConfig, choose_mma_tiles, choose_path,
-    choose_portable_tiles,
+    DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, choose_mma_tiles,
+    choose_path, choose_portable_tiles, choose_register_backward_tiles,
 };
 use crate::error::FlashError;
-use crate::launch::{DeviceTensor, check_dtype, expect_shape, grid, softcap_arg, window_args};
+use crate::launch::{
+    DeviceTensor, check_dtype, expect_shape, grid, readable_by_16_byte_copies, softcap_arg,
+    window_args,
+};
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use dkdv::flash_backward_dkdv;
 pub use dkdv_cmma::{flash_backward_dkdv_cmma, shared_bytes as dkdv_cmma_shared_bytes};
+pub use dkdv_register_mma::flash_backward_dkdv_mma;
 pub use dq::flash_backward_dq;
 pub use dq_cmma::{flash_backward_dq_cmma, shared_bytes as dq_cmma_shared_bytes};
+pub use dq_register_mma::flash_backward_dq_mma;
 pub use preprocess::flash_backward_delta;
 
 /// Gradients of Q, K and V, contiguous, in the input dtype.
@@ -109,12 +119,7 @@ pub fn backward_into(
     }
 
     let limits = DeviceLimits::from_properties(client.properties());
-    // The register-level path has no backward kernels of its own: its gradients run on the
-    // `cmma` kernels.
-    let chosen = match choose_path(path, dtype, &limits)? {
-        KernelPath::RegisterMma => choose_path(KernelPath::TensorCore, dtype, &limits)?,
-        chosen => chosen,
-    };
+    let plan = plan(path, &problem, &limits, [q, k, v, d_out])?;
     let (left, right) = window_args(&problem);
     let (scale, softcap) = (problem.scale(), softcap_arg(&problem));
     let elem = dtype.elem_type();
@@ -135,8 +140,62 @@ pub fn backward_into(
         );
     }
 
-    match chosen {
-        KernelPath::TensorCore => {
+    match plan {
+        Plan::RegisterMma(config) => {
+            let count = CubeCount::Static(
+                problem.seq_kv.div_ceil(config.block_rows()) as u32,
+                (problem.batch * problem.heads_kv) as u32,
+                1,
+            );
+            unsafe {
+                flash_backward_dkdv_mma::launch_unchecked(
+                    client,
+                    count,
+                    CubeDim::new_1d(config.units() as u32),
+                    q.arg(),
+                    k.arg(),
+                    v.arg(),
+                    d_out.arg(),
+                    lse.arg(),
+                    delta.arg(),
+                    grads.dk.arg(),
+                    grads.dv.arg(),
+                    scale,
+                    softcap,
+                    left,
+                    right,
+                    config,
+                    elem,
+                );
+            }
+            // Head-major, as the forward.
+            let count = CubeCount::Static(
+                (problem.batch * problem.heads_q) as u32,
+                problem.seq_q.div_ceil(config.block_rows()) as u32,
+                1,
+            );
+            unsafe {
+                flash_backward_dq_mma::launch_unchecked(
+                    client,
+                    count,
+                    CubeDim::new_1d(config.units() as u32),
+                    q.arg(),
+                    k.arg(),
+                    v.arg(),
+                    d_out.arg(),
+                    lse.arg(),
+                    delta.arg(),
+                    grads.dq.arg(),
+                    scale,
+                    softcap,
+                    left,
+                    right,
+                    config,
+                    elem,
+                );
+            }
+        }
+        Plan::TensorCore => {
             let config = dkdv_mma_config(&problem, &limits)?;
             let count = CubeCount::Static(
                 problem.seq_kv.div_ceil(config.block_rows()) as u32,
@@ -191,7 +250,7 @@ pub fn backward_into(
                 );
             }
         }
-        KernelPath::Auto | KernelPath::Portable | KernelPath::RegisterMma => {
+        Plan::Portable => {
             let config = dkdv_portable_config(&problem, &limits)?;
             let (count, dim) = grid(&config, problem.seq_kv, problem.batch, problem.heads_kv);
             unsafe {
@@ -241,6 +300,76 @@ pub fn backward_into(
         }
     }
     Ok(())
+}
+
+/// The backward kernels that run.
+enum Plan {
+    RegisterMma(RegisterBackwardConfig),
+    TensorCore,
+    Portable,
+}
+
+/// [`choose_path`]'s path, except that the register-level path steps down to the `cmma`
+/// kernels for problems its backward kernels do not take (see the module docs). Requesting
+/// it on a device without it is an error, as in the forward.
+fn plan(
+    requested: KernelPath,
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+    inputs: [&DeviceTensor; 4],
+) -> Result<Plan, FlashError> {
+    match choose_path(requested, problem.dtype, limits)? {
+        KernelPath::RegisterMma => {
+            let readable = inputs
+                .iter()
+                .all(|t| readable_by_16_byte_copies(t, problem.dtype.size()));
+            match register_backward_config(problem, limits) {
+                Ok(config) if readable => Ok(Plan::RegisterMma(config)),
+                // A malformed tuning override is the caller's error, not a reason to step down.
+                Err(e) if std::env::var_os("FLASH_MMA_BWD_TILES").is_some() => Err(e),
+                _ => choose_path(KernelPath::TensorCore, problem.dtype, limits)
+                    .map(|_| Plan::TensorCore),
+            }
+        }
+        KernelPath::TensorCore => Ok(Plan::TensorCore),
+        KernelPath::Auto | KernelPath::Portable => Ok(Plan::Portable),
+    }
+}
+
+/// Tiles of the register-level backward kernels. `FLASH_MMA_BWD_TILES=planes,block_stream`
+/// (e.g. `8,32`) overrides the heuristic's choice, for tuning.
+pub(crate) fn register_backward_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<RegisterBackwardConfig, FlashError> {
+    let mut config = choose_register_backward_tiles(problem, limits)?;
+    if let Ok(tiles) = std::env::var("FLASH_MMA_BWD_TILES") {
+        let parts: Vec<usize> = tiles
+            .split(',')
+            .filter_map(|p| p.trim().parse().ok())
+            .collect();
+        match parts[..] {
+            [planes, block_stream]
+                if (1..=16).contains(&planes) && block_stream % 16 == 0 && block_stream > 0 =>
+            {
+                config.planes = planes;
+                config.block_stream = block_stream;
+                let bytes = config.shared_bytes(problem.dtype.size());
+                if bytes > limits.max_shared_memory {
+                    return Err(FlashError::InvalidConfig(format!(
+                        "FLASH_MMA_BWD_TILES={tiles} needs {bytes} bytes of shared memory; the device offers {}",
+                        limits.max_shared_memory
+                    )));
+                }
+            }
+            _ => {
+                return Err(FlashError::InvalidConfig(format!(
+                    "FLASH_MMA_BWD_TILES={tiles}: expected planes (1 to 16),block_stream (a multiple of 16)"
+                )));
+            }
+        }
+    }
+    Ok(config)
 }
 
 /// Tiles of the portable dK/dV kernel: key rows in registers; Q, dO, LSE and D rows staged

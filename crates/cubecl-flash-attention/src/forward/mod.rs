@@ -11,7 +11,10 @@ use crate::config::{
     choose_path, choose_portable_tiles, choose_register_mma_tiles,
 };
 use crate::error::FlashError;
-use crate::launch::{DeviceTensor, check_dtype, expect_shape, grid, softcap_arg, window_args};
+use crate::launch::{
+    DeviceTensor, check_dtype, expect_shape, grid, readable_by_16_byte_copies, softcap_arg,
+    window_args,
+};
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use cmma::{flash_forward_cmma, shared_bytes as cmma_shared_bytes};
@@ -194,12 +197,6 @@ fn plan(
         }
         Err(e) => Err(e),
     }
-}
-
-/// Whether every row of `t` starts on a 16-byte boundary and is contiguous.
-fn readable_by_16_byte_copies(t: &DeviceTensor, elem: usize) -> bool {
-    let offset = t.handle.offset_start.unwrap_or(0) as usize;
-    t.strides[3] == 1 && t.strides[..3].iter().all(|s| (s * elem) % 16 == 0) && offset % 16 == 0
 }
 
 /// Tiles of the register-level forward kernel. `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers`

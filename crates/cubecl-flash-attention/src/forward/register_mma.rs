@@ -21,7 +21,7 @@ use crate::config::{FRAGMENT, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, zeros};
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
-use crate::tile::{Head, stage_rows_async};
+use crate::tile::{Head, last_first, stage_rows_async};
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -401,10 +401,4 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
     }
-}
-
-/// Position `index` of `count` counted from the end.
-#[cube]
-fn last_first(index: usize, count: usize) -> usize {
-    count - 1 - index
 }

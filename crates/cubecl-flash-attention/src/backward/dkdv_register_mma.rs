@@ -1,0 +1,329 @@
+//! Backward step 2 on register-level tensor-core instructions (CUDA sm_80+): `dK` and `dV`,
+//! one cube per (key block, batch·key/value head). Each plane owns 16 keys, whose K and V
+//! rows stay in shared memory and whose `dK`, `dV` accumulate in registers. The query blocks
+//! that see the key block stream through two shared-memory stages (Q, dO), for every query
+//! head of the GQA group in turn, the next block's copy in flight while the current one is
+//! used. Per query block, all in registers:
+//!
+//! 1. `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (`mma.sync`, operands by `ldmatrix`);
+//! 2. `Pᵀ = exp(Sᵀ − LSE)` and `dSᵀ = Pᵀ ⊙ (dPᵀ − D) · dS/d(q·k)`, element-wise on the
+//!    accumulators, the LSE and D of the lane's query columns read once per block;
+//! 3. `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, `Pᵀ` and `dSᵀ` converted to the input dtype in
+//!    registers and used as A operands directly (see [`crate::mma_sync`]).
+//!
+//! The softmax scale multiplies `dK` once, in the epilogue. No atomics: deterministic.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
+use crate::mask::Mask;
+use crate::mma_sync::{
+    Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, store_row, zeros,
+};
+use crate::softmax::{LOG2_E, exp2_approx};
+use crate::tile::{row_offset, stage_rows_async};
+
+/// Lanes sharing one row of an accumulator tile.
+const LANES_PER_ROW: usize = 4;
+/// Columns of one accumulator tile.
+const TILE_COLS: usize = 8;
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_dkdv_mma<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    d_out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    #[comptime] config: RegisterBackwardConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let block_k = comptime!(config.block_rows());
+    let block_q = config.block_stream;
+    let units = comptime!(config.units());
+    let dqk = comptime!(config.dim_qk_padded());
+    let dvp = comptime!(config.dim_v_padded());
+    let qk_ld = comptime!(RegisterMmaConfig::stride(dqk));
+    let v_ld = comptime!(RegisterMmaConfig::stride(dvp));
+    let s_tiles = comptime!(block_q / TILE_COLS);
+    let dk_tiles = comptime!(dqk / TILE_COLS);
+    let dv_tiles = comptime!(dvp / TILE_COLS);
+    let q_stage = comptime!(block_q * qk_ld);
+    let do_stage = comptime!(block_q * v_ld);
+
+    // Scores in base 2, as in the forward (whose LSE is natural-log: scaled by log2 e).
+    let scale_log2 = scale * LOG2_E;
+    let pre_cap = scale / softcap;
+    let cap_log2 = softcap * LOG2_E;
+
+    let lane = UNIT_POS_PLANE as usize;
+    let group = lane / LANES_PER_ROW;
+    let in_group = lane % LANES_PER_ROW;
+
+    let seq_q = q.shape(2);
+    let seq_kv = k.shape(2);
+    let heads_kv = k.shape(1);
+    let group_size = q.shape(1) / heads_kv;
+    let batch = CUBE_POS_Y as usize / heads_kv;
+    let head_kv = CUBE_POS_Y as usize % heads_kv;
+    let k_begin = CUBE_POS_X as usize * block_k;
+    let k_end = min(k_begin + block_k, seq_kv);
+    let plane_row = PLANE_POS as usize * FRAGMENT;
+
+    let mut k_tile = Shared::<[F]>::new_aligned_slice(block_k * qk_ld, 16usize);
+    let mut v_tile = Shared::<[F]>::new_aligned_slice(block_k * v_ld, 16usize);
+    let mut q_tile = Shared::<[F]>::new_aligned_slice(2 * q_stage, 16usize);
+    let mut do_tile = Shared::<[F]>::new_aligned_slice(2 * do_stage, 16usize);
+    let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+
+    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked);
+    // Every query head of the group, each over the same query blocks.
+    let steps = blocks.count * i32::cast_from(group_size);
+
+    let mut dk_acc = zeros(comptime!(2 * dk_tiles));
+    let mut dv_acc = zeros(comptime!(2 * dv_tiles));
+    let mut s_acc = zeros(comptime!(2 * s_tiles));
+    let mut dp_acc = zeros(comptime!(2 * s_tiles));
+    // LSE (base 2) and D of the lane's query columns `8n + 2t + e`, at `2n + e`.
+    let mut lse_col = Array::<f32>::new(comptime!(2 * s_tiles));
+    let mut delta_col = Array::<f32>::new(comptime!(2 * s_tiles));
+
+    if steps > 0 {
+        stage_rows_async(
+            k,
+            batch,
+            head_kv,
+            k_begin,
+            &mut k_tile,
+            0,
+            block_k,
+            config.dim_qk,
+            dqk,
+            qk_ld,
+            units,
+        );
+        stage_rows_async(
+            v,
+            batch,
+            head_kv,
+            k_begin,
+            &mut v_tile,
+            0,
+            block_k,
+            config.dim_v,
+            dvp,
+            v_ld,
+            units,
+        );
+        let q0 = usize::cast_from(blocks.first);
+        let head_q = head_kv * group_size;
+        stage_rows_async(
+            q,
+            batch,
+            head_q,
+            q0,
+            &mut q_tile,
+            0,
+            block_q,
+            config.dim_qk,
+            dqk,
+            qk_ld,
+            units,
+        );
+        stage_rows_async(
+            d_out,
+            batch,
+            head_q,
+            q0,
+            &mut do_tile,
+            0,
+            block_q,
+            config.dim_v,
+            dvp,
+            v_ld,
+            units,
+        );
+        landed_0.commit_copy_async();
+    }
+
+    for step in 0..steps {
+        let stage = usize::cast_from(step % 2);
+        let next = 1 - stage;
+        let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
+        let q0 = blocks.start(step % blocks.count, block_q);
+
+        // Q and dO of this block (and K, V with the first) have landed; every unit is done
+        // with the previous block, so the other stage may be refilled.
+        if stage == 0 {
+            landed_0.arrive_and_wait();
+        } else {
+            landed_1.arrive_and_wait();
+        }
+        if step + 1 < steps {
+            let next_head = head_kv * group_size + usize::cast_from((step + 1) / blocks.count);
+            let next_q0 = usize::cast_from(blocks.start((step + 1) % blocks.count, block_q));
+            stage_rows_async(
+                q,
+                batch,
+                next_head,
+                next_q0,
+                &mut q_tile,
+                next * q_stage,
+                block_q,
+                config.dim_qk,
+                dqk,
+                qk_ld,
+                units,
+            );
+            stage_rows_async(
+                d_out,
+                batch,
+                next_head,
+                next_q0,
+                &mut do_tile,
+                next * do_stage,
+                block_q,
+                config.dim_v,
+                dvp,
+                v_ld,
+                units,
+            );
+            if next == 0 {
+                landed_0.commit_copy_async();
+            } else {
+                landed_1.commit_copy_async();
+            }
+        }
+
+        // The LSE and D of the lane's columns (rows past the end read the last row: their
+        // scores are masked).
+        #[unroll]
+        for n in 0..s_tiles {
+            #[unroll]
+            for e in 0..2usize {
+                let col = usize::cast_from(q0) + n * TILE_COLS + 2 * in_group + e;
+                let row = min(col, seq_q - 1);
+                lse_col[2 * n + e] = lse[row_offset(lse, batch, head_q, row)] * LOG2_E;
+                delta_col[2 * n + e] = delta[row_offset(delta, batch, head_q, row)];
+            }
+        }
+
+        // 1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's 16 keys.
+        let q_base = stage * q_stage;
+        let do_base = stage * do_stage;
+        #[unroll]
+        for i in 0..comptime!(2 * s_tiles) {
+            s_acc[i] = Pair::<f32>::cast_from(0.0f32);
+            dp_acc[i] = Pair::<f32>::cast_from(0.0f32);
+        }
+        #[unroll]
+        for kk in 0..comptime!(dqk / FRAGMENT) {
+            let kf = load_a(&k_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld);
+            #[unroll]
+            for n in 0..comptime!(s_tiles / 2) {
+                let qf = load_b_transposed(
+                    &q_tile,
+                    q_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
+                    qk_ld,
+                );
+                mma(&kf, 0, &qf, 0, &mut s_acc, 2 * n);
+                mma(&kf, 0, &qf, 2, &mut s_acc, 2 * n + 1);
+            }
+        }
+        #[unroll]
+        for kk in 0..comptime!(dvp / FRAGMENT) {
+            let vf = load_a(&v_tile, plane_row * v_ld + kk * FRAGMENT, v_ld);
+            #[unroll]
+            for n in 0..comptime!(s_tiles / 2) {
+                let of = load_b_transposed(
+                    &do_tile,
+                    do_base + n * FRAGMENT * v_ld + kk * FRAGMENT,
+                    v_ld,
+                );
+                mma(&vf, 0, &of, 0, &mut dp_acc, 2 * n);
+                mma(&vf, 0, &of, 2, &mut dp_acc, 2 * n + 1);
+            }
+        }
+
+        // 2. Pᵀ into `s_acc`, dSᵀ (without the softmax scale) into `dp_acc`.
+        let needs_mask = !mask.is_block_visible(
+            q0,
+            q0 + i32::cast_from(block_q),
+            i32::cast_from(k_begin),
+            i32::cast_from(k_end),
+        );
+        #[unroll]
+        for half in 0..2usize {
+            let key = i32::cast_from(k_begin + plane_row + group + 8 * half);
+            #[unroll]
+            for n in 0..s_tiles {
+                let at = 2 * n + half;
+                let mut p_pair = s_acc[at];
+                let mut ds_pair = dp_acc[at];
+                #[unroll]
+                for e in 0..2usize {
+                    let dot = p_pair.extract(e);
+                    let mut s = dot * scale_log2;
+                    let mut grad = 1.0f32;
+                    if comptime!(config.softcap) {
+                        let t = (dot * pre_cap).tanh();
+                        s = cap_log2 * t;
+                        grad = 1.0 - t * t;
+                    }
+                    let mut p = exp2_approx(s - lse_col[2 * n + e]);
+                    if needs_mask {
+                        let query = q0 + i32::cast_from(n * TILE_COLS + 2 * in_group + e);
+                        if !mask.is_visible(query, key) {
+                            p = 0.0;
+                        }
+                    }
+                    let ds = p * (ds_pair.extract(e) - delta_col[2 * n + e]) * grad;
+                    p_pair.insert(e, p);
+                    ds_pair.insert(e, ds);
+                }
+                s_acc[at] = p_pair;
+                dp_acc[at] = ds_pair;
+            }
+        }
+
+        // 3. dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries per step.
+        #[unroll]
+        for kk in 0..comptime!(block_q / FRAGMENT) {
+            let pf = accumulators_as_a::<F>(&s_acc, 2 * kk);
+            #[unroll]
+            for n in 0..comptime!(dv_tiles / 2) {
+                let of = load_b(&do_tile, do_base + kk * FRAGMENT * v_ld + n * FRAGMENT, v_ld);
+                mma(&pf, 0, &of, 0, &mut dv_acc, 2 * n);
+                mma(&pf, 0, &of, 2, &mut dv_acc, 2 * n + 1);
+            }
+            let dsf = accumulators_as_a::<F>(&dp_acc, 2 * kk);
+            #[unroll]
+            for n in 0..comptime!(dk_tiles / 2) {
+                let qf = load_b(&q_tile, q_base + kk * FRAGMENT * qk_ld + n * FRAGMENT, qk_ld);
+                mma(&dsf, 0, &qf, 0, &mut dk_acc, 2 * n);
+                mma(&dsf, 0, &qf, 2, &mut dk_acc, 2 * n + 1);
+            }
+        }
+    }
+
+    // Epilogue: the plane's key rows of dK (times the softmax scale) and dV.
+    #[unroll]
+    for half in 0..2usize {
+        let key = k_begin + plane_row + group + 8 * half;
+        if key < seq_kv {
+            store_row(dk, batch, head_kv, key, &dk_acc, half, scale, in_group, config.dim_qk);
+            store_row(dv, batch, head_kv, key, &dv_acc, half, 1.0, in_group, config.dim_v);
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! Backward step 3 on register-level tensor-core instructions (CUDA sm_80+): `dQ`, one cube
+//! per (batch·query head, query block). Each plane owns 16 queries, whose Q and dO rows stay
+//! in shared memory and whose `dQ` accumulates in registers. The key blocks the queries see
+//! stream through two shared-memory stages (K, V), the next block's copy in flight while
+//! the current one is used. Per key block, all in registers:
+//!
+//! 1. `S = Q·Kᵀ` and `dP = dO·Vᵀ` (`mma.sync`, operands by `ldmatrix`);
+//! 2. `dS = exp(S − LSE) ⊙ (dP − D) · dS/d(q·k)` element-wise on the accumulators, with the
+//!    LSE and D of the lane's two rows read once;
+//! 3. `dQ += dS·K`, `dS` converted to the input dtype in registers and used as the A operand
+//!    directly (see [`crate::mma_sync`]).
+//!
+//! The grid is ordered as the forward's (head-major, heaviest causal query blocks first).
+//! The softmax scale multiplies `dQ` once, in the epilogue. No atomics: deterministic.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
+use crate::mask::Mask;
+use crate::mma_sync::{
+    Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, store_row, zeros,
+};
+use crate::softmax::{LOG2_E, exp2_approx};
+use crate::tile::{Head, last_first, row_offset, stage_rows_async};
+
+/// Lanes sharing one row of an accumulator tile.
+const LANES_PER_ROW: usize = 4;
+/// Columns of one accumulator tile.
+const TILE_COLS: usize = 8;
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_dq_mma<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    d_out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    #[comptime] config: RegisterBackwardConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let block_q = comptime!(config.block_rows());
+    let block_k = config.block_stream;
+    let units = comptime!(config.units());
+    let dqk = comptime!(config.dim_qk_padded());
+    let dvp = comptime!(config.dim_v_padded());
+    let qk_ld = comptime!(RegisterMmaConfig::stride(dqk));
+    let v_ld = comptime!(RegisterMmaConfig::stride(dvp));
+    let s_tiles = comptime!(block_k / TILE_COLS);
+    let dq_tiles = comptime!(dqk / TILE_COLS);
+    let k_stage = comptime!(block_k * qk_ld);
+    let v_stage = comptime!(block_k * v_ld);
+
+    let scale_log2 = scale * LOG2_E;
+    let pre_cap = scale / softcap;
+    let cap_log2 = softcap * LOG2_E;
+
+    let lane = UNIT_POS_PLANE as usize;
+    let group = lane / LANES_PER_ROW;
+    let in_group = lane % LANES_PER_ROW;
+
+    let seq_q = q.shape(2);
+    let seq_kv = k.shape(2);
+    let head = Head::from_index(CUBE_POS_X as usize, q.shape(1), k.shape(1));
+    let q_block = last_first(CUBE_POS_Y as usize, CUBE_COUNT_Y as usize);
+    let q_begin = q_block * block_q;
+    let q_end = min(q_begin + block_q, seq_q);
+    let plane_row = PLANE_POS as usize * FRAGMENT;
+
+    let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, 16usize);
+    let mut do_tile = Shared::<[F]>::new_aligned_slice(block_q * v_ld, 16usize);
+    let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, 16usize);
+    let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, 16usize);
+    let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+
+    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
+
+    let mut dq_acc = zeros(comptime!(2 * dq_tiles));
+    let mut s_acc = zeros(comptime!(2 * s_tiles));
+    let mut dp_acc = zeros(comptime!(2 * s_tiles));
+    // LSE (base 2) and D of the lane's rows g and g + 8 (rows past the end read the last
+    // row: their scores are masked).
+    let mut lse_row = Array::<f32>::new(2usize);
+    let mut delta_row = Array::<f32>::new(2usize);
+    #[unroll]
+    for half in 0..2usize {
+        let row = min(q_begin + plane_row + group + 8 * half, seq_q - 1);
+        lse_row[half] = lse[row_offset(lse, head.batch, head.head_q, row)] * LOG2_E;
+        delta_row[half] = delta[row_offset(delta, head.batch, head.head_q, row)];
+    }
+
+    if blocks.count > 0 {
+        let k0 = usize::cast_from(blocks.first);
+        stage_rows_async(
+            q,
+            head.batch,
+            head.head_q,
+            q_begin,
+            &mut q_tile,
+            0,
+            block_q,
+            config.dim_qk,
+            dqk,
+            qk_ld,
+            units,
+        );
+        stage_rows_async(
+            d_out,
+            head.batch,
+            head.head_q,
+            q_begin,
+            &mut do_tile,
+            0,
+            block_q,
+            config.dim_v,
+            dvp,
+            v_ld,
+            units,
+        );
+        stage_rows_async(
+            k,
+            head.batch,
+            head.head_kv,
+            k0,
+            &mut k_tile,
+            0,
+            block_k,
+            config.dim_qk,
+            dqk,
+            qk_ld,
+            units,
+        );
+        stage_rows_async(
+            v,
+            head.batch,
+            head.head_kv,
+            k0,
+            &mut v_tile,
+            0,
+            block_k,
+            config.dim_v,
+            dvp,
+            v_ld,
+            units,
+        );
+        landed_0.commit_copy_async();
+    }
+
+    for block in 0..blocks.count {
+        let stage = usize::cast_from(block % 2);
+        let next = 1 - stage;
+        let k0 = blocks.start(block, block_k);
+
+        // K and V of this block (and Q, dO with the first) have landed; every unit is done
+        // with the previous block, so the other stage may be refilled.
+        if stage == 0 {
+            landed_0.arrive_and_wait();
+        } else {
+            landed_1.arrive_and_wait();
+        }
+        if block + 1 < blocks.count {
+            let next_k0 = usize::cast_from(k0) + block_k;
+            stage_rows_async(
+                k,
+                head.batch,
+                head.head_kv,
+                next_k0,
+                &mut k_tile,
+                next * k_stage,
+                block_k,
+                config.dim_qk,
+                dqk,
+                qk_ld,
+                units,
+            );
+            stage_rows_async(
+                v,
+                head.batch,
+                head.head_kv,
+                next_k0,
+                &mut v_tile,
+                next * v_stage,
+                block_k,
+                config.dim_v,
+                dvp,
+                v_ld,
+                units,
+            );
+            if next == 0 {
+                landed_0.commit_copy_async();
+            } else {
+                landed_1.commit_copy_async();
+            }
+        }
+
+        // 1. S = Q·Kᵀ and dP = dO·Vᵀ for the plane's 16 queries.
+        let k_base = stage * k_stage;
+        let v_base = stage * v_stage;
+        #[unroll]
+        for i in 0..comptime!(2 * s_tiles) {
+            s_acc[i] = Pair::<f32>::cast_from(0.0f32);
+            dp_acc[i] = Pair::<f32>::cast_from(0.0f32);
+        }
+        #[unroll]
+        for kk in 0..comptime!(dqk / FRAGMENT) {
+            let qf = load_a(&q_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld);
+            #[unroll]
+            for n in 0..comptime!(s_tiles / 2) {
+                let kf = load_b_transposed(
+                    &k_tile,
+                    k_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
+                    qk_ld,
+                );
+                mma(&qf, 0, &kf, 0, &mut s_acc, 2 * n);
+                mma(&qf, 0, &kf, 2, &mut s_acc, 2 * n + 1);
+            }
+        }
+        #[unroll]
+        for kk in 0..comptime!(dvp / FRAGMENT) {
+            let of = load_a(&do_tile, plane_row * v_ld + kk * FRAGMENT, v_ld);
+            #[unroll]
+            for n in 0..comptime!(s_tiles / 2) {
+                let vf = load_b_transposed(
+                    &v_tile,
+                    v_base + n * FRAGMENT * v_ld + kk * FRAGMENT,
+                    v_ld,
+                );
+                mma(&of, 0, &vf, 0, &mut dp_acc, 2 * n);
+                mma(&of, 0, &vf, 2, &mut dp_acc, 2 * n + 1);
+            }
+        }
+
+        // 2. dS (without the softmax scale) into `dp_acc`.
+        let needs_mask = !mask.is_block_visible(
+            i32::cast_from(q_begin),
+            i32::cast_from(q_end),
+            k0,
+            k0 + i32::cast_from(block_k),
+        );
+        #[unroll]
+        for half in 0..2usize {
+            let row = i32::cast_from(q_begin + plane_row + group + 8 * half);
+            #[unroll]
+            for n in 0..s_tiles {
+                let at = 2 * n + half;
+                let s_pair = s_acc[at];
+                let mut ds_pair = dp_acc[at];
+                #[unroll]
+                for e in 0..2usize {
+                    let dot = s_pair.extract(e);
+                    let mut s = dot * scale_log2;
+                    let mut grad = 1.0f32;
+                    if comptime!(config.softcap) {
+                        let t = (dot * pre_cap).tanh();
+                        s = cap_log2 * t;
+                        grad = 1.0 - t * t;
+                    }
+                    let mut p = exp2_approx(s - lse_row[half]);
+                    if needs_mask {
+                        let key = k0 + i32::cast_from(n * TILE_COLS + 2 * in_group + e);
+                        if !mask.is_visible(row, key) {
+                            p = 0.0;
+                        }
+                    }
+                    ds_pair.insert(e, p * (ds_pair.extract(e) - delta_row[half]) * grad);
+                }
+                dp_acc[at] = ds_pair;
+            }
+        }
+
+        // 3. dQ += dS·K, 16 keys per step.
+        #[unroll]
+        for kk in 0..comptime!(block_k / FRAGMENT) {
+            let dsf = accumulators_as_a::<F>(&dp_acc, 2 * kk);
+            #[unroll]
+            for n in 0..comptime!(dq_tiles / 2) {
+                let kf = load_b(&k_tile, k_base + kk * FRAGMENT * qk_ld + n * FRAGMENT, qk_ld);
+                mma(&dsf, 0, &kf, 0, &mut dq_acc, 2 * n);
+                mma(&dsf, 0, &kf, 2, &mut dq_acc, 2 * n + 1);
+            }
+        }
+    }
+
+    // Epilogue: the plane's query rows of dQ, times the softmax scale.
+    #[unroll]
+    for half in 0..2usize {
+        let row = q_begin + plane_row + group + 8 * half;
+        if row < seq_q {
+            store_row(
+                dq,
+                head.batch,
+                head.head_q,
+                row,
+                &dq_acc,
+                half,
+                scale,
+                in_group,
+                config.dim_qk,
+            );
+        }
+    }
+}
