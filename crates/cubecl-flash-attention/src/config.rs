@@ -17,8 +17,8 @@ pub enum KernelPath {
     TensorCore,
     /// Register-level tensor-core instructions (`mma.sync` m16n8k16, `ldmatrix`, `cp.async`;
     /// CUDA sm_80 and later): scores, probabilities and the output stay in registers, K/V
-    /// tiles are double-buffered in shared memory. Forward only: the backward of this path
-    /// runs the `TensorCore` kernels.
+    /// tiles are double-buffered in shared memory; the same in the backward's dK/dV and dQ
+    /// kernels.
     RegisterMma,
 }
 
@@ -414,6 +414,19 @@ pub struct RegisterBackwardConfig {
     pub dim_v: usize,
     pub masked: bool,
     pub softcap: bool,
+    /// dK and dV in two launches of the dK/dV kernel ([`KeyGradients`]), for head dims whose
+    /// two accumulators do not fit registers together.
+    pub split: bool,
+}
+
+/// The gradients one launch of the register-level dK/dV kernel accumulates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KeyGradients {
+    Both,
+    /// dK alone (`Sᵀ`, `dPᵀ`, `dSᵀ`, `dK += dSᵀ·Q`).
+    Keys,
+    /// dV alone (`Sᵀ`, `Pᵀ`, `dV += Pᵀ·dO`).
+    Values,
 }
 
 impl RegisterBackwardConfig {
@@ -436,16 +449,31 @@ impl RegisterBackwardConfig {
             + RegisterMmaConfig::stride(self.dim_v_padded());
         elem * row * (self.block_rows() + 2 * self.block_stream)
     }
-    /// f32 registers of one unit's accumulators in the dK/dV kernel, the larger of the two:
-    /// dK and dV of the plane's 16 keys, and `Sᵀ`, `dPᵀ` of a query block.
+    /// The launches of the dK/dV kernel.
+    pub fn key_gradients(&self) -> &'static [KeyGradients] {
+        if self.split {
+            &[KeyGradients::Keys, KeyGradients::Values]
+        } else {
+            &[KeyGradients::Both]
+        }
+    }
+    /// f32 registers of one unit's accumulators in the dK/dV kernel, the largest of the
+    /// kernels: dK and/or dV of the plane's 16 keys, and `Sᵀ`, `dPᵀ` of a query block (the
+    /// dQ kernel holds dQ, `S` and `dP`: never more).
     pub fn accumulator_registers(&self) -> usize {
-        (self.dim_qk_padded() + self.dim_v_padded()) / 2 + self.block_stream
+        let (dk, dv) = (self.dim_qk_padded() / 2, self.dim_v_padded() / 2);
+        let scores = self.block_stream / 2;
+        if self.split {
+            (dk + 2 * scores).max(dv + scores)
+        } else {
+            dk + dv + 2 * scores
+        }
     }
 }
 
 /// Picks the register-level backward tiles for `problem`: 4 planes of 16 rows, and the
-/// largest streamed block (64, 32 or 16 rows) whose accumulators fit the register budget.
-/// Head dims whose dK and dV accumulators alone overflow it (`d_qk + d_v > 352`) have none.
+/// largest streamed block (64, 32 or 16 rows) whose accumulators fit the register budget and
+/// whose stages fit shared memory; dK and dV in one launch where they fit, else in two.
 pub fn choose_register_backward_tiles(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
@@ -453,15 +481,17 @@ pub fn choose_register_backward_tiles(
     // The forward's conditions: the instructions, and head dims the 16-byte copies read.
     choose_register_mma_tiles(problem, limits)?;
     let planes = 4.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
-    [64, 32, 16]
+    [false, true]
         .into_iter()
-        .map(|block_stream| RegisterBackwardConfig {
+        .flat_map(|split| [64, 32, 16].map(|block_stream| (split, block_stream)))
+        .map(|(split, block_stream)| RegisterBackwardConfig {
             planes,
             block_stream,
             dim_qk: problem.dim_qk,
             dim_v: problem.dim_v,
             masked: problem.options.mask.is_masked(),
             softcap: problem.options.softcap.is_some(),
+            split,
         })
         .find(|c| {
             c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET
@@ -469,9 +499,9 @@ pub fn choose_register_backward_tiles(
         })
         .ok_or_else(|| {
             FlashError::InvalidConfig(format!(
-                "head dims {}/{}: dK and dV of 16 keys do not fit the register-level backward's \
-                 {MMA_SYNC_REGISTER_BUDGET}-register budget",
-                problem.dim_qk, problem.dim_v
+                "head dims {}/{}: dK or dV of 16 keys does not fit the register-level backward's \
+                 {MMA_SYNC_REGISTER_BUDGET}-register budget and {} bytes of shared memory",
+                problem.dim_qk, problem.dim_v, limits.max_shared_memory
             ))
         })
 }
@@ -681,22 +711,31 @@ mod tests {
     fn register_backward_tiles_fit_registers_and_shared_memory() {
         for d in [40, 64, 96, 128] {
             let c = choose_register_backward_tiles(&problem(d, d), &NVIDIA).unwrap();
-            assert!(c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET, "d={d}");
+            assert!(
+                c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET,
+                "d={d}"
+            );
             assert!(c.shared_bytes(2) <= NVIDIA.max_shared_memory, "d={d}");
-            assert_eq!(c.block_stream, 64, "d={d}");
+            assert_eq!((c.block_stream, c.split), (64, false), "d={d}");
             assert_eq!(c.block_rows(), 4 * FRAGMENT);
         }
-        // 16 keys of dK and dV in d256 take 256 registers alone.
+        // 16 keys of dK and dV in d256 take 256 registers: two launches.
+        let c = choose_register_backward_tiles(&problem(256, 256), &NVIDIA).unwrap();
+        assert!(c.split && c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET);
+        assert!(c.shared_bytes(2) <= NVIDIA.max_shared_memory);
+        assert_eq!(c.key_gradients().len(), 2);
+        let c = choose_register_backward_tiles(&problem(192, 128), &NVIDIA).unwrap();
+        assert!(!c.split && c.block_stream == 32);
+        assert_eq!(c.key_gradients(), &[KeyGradients::Both]);
+        // Nothing fits a device with too little shared memory for the rows of d256.
+        let small = DeviceLimits {
+            max_shared_memory: 48 * 1024,
+            ..NVIDIA
+        };
         assert!(matches!(
-            choose_register_backward_tiles(&problem(256, 256), &NVIDIA),
+            choose_register_backward_tiles(&problem(256, 256), &small),
             Err(FlashError::InvalidConfig(_))
         ));
-        assert_eq!(
-            choose_register_backward_tiles(&problem(192, 128), &NVIDIA)
-                .unwrap()
-                .block_stream,
-            32
-        );
         assert!(matches!(
             choose_register_backward_tiles(&problem(111, 111), &NVIDIA),
             Err(FlashError::Unavailable(_))

@@ -24,7 +24,7 @@ use crate::backward::{
     flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dkdv_mma, flash_backward_dq,
     flash_backward_dq_cmma, flash_backward_dq_mma, register_backward_config,
 };
-use crate::config::DeviceLimits;
+use crate::config::{DeviceLimits, KeyGradients};
 use crate::forward::{
     flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
     register_mma_config,
@@ -500,28 +500,38 @@ fn kernels(
         // The backward's own kernels where its accumulators fit registers (otherwise it runs
         // the `cmma` kernels below).
         if let Ok(c) = register_backward_config(problem, limits) {
-            kernels.push((
-                "backward_dkdv_mma",
-                Ok(Box::new(flash_backward_dkdv_mma::FlashBackwardDkdvMma::new(
-                    settings(c.units()),
-                    props.clone(),
-                    tprops.clone(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    (),
-                    (),
-                    (),
-                    (),
-                    c,
-                    elem,
-                ))),
-            ));
+            for &gradients in c.key_gradients() {
+                let name = match gradients {
+                    KeyGradients::Both => "backward_dkdv_mma",
+                    KeyGradients::Keys => "backward_dk_mma",
+                    KeyGradients::Values => "backward_dv_mma",
+                };
+                kernels.push((
+                    name,
+                    Ok(Box::new(
+                        flash_backward_dkdv_mma::FlashBackwardDkdvMma::new(
+                            settings(c.units()),
+                            props.clone(),
+                            tprops.clone(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            (),
+                            (),
+                            (),
+                            (),
+                            c,
+                            gradients,
+                            elem,
+                        ),
+                    )),
+                ));
+            }
             kernels.push((
                 "backward_dq_mma",
                 Ok(Box::new(flash_backward_dq_mma::FlashBackwardDqMma::new(

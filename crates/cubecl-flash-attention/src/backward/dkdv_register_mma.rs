@@ -11,12 +11,14 @@
 //! 3. `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, `Pᵀ` and `dSᵀ` converted to the input dtype in
 //!    registers and used as A operands directly (see [`crate::mma_sync`]).
 //!
-//! The softmax scale multiplies `dK` once, in the epilogue. No atomics: deterministic.
+//! For large head dims a launch accumulates dK or dV alone ([`KeyGradients`]), the
+//! launcher running both. The softmax scale multiplies `dK` once, in the epilogue. No
+//! atomics: deterministic.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
+use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
     Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, store_row, zeros,
@@ -45,8 +47,11 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     window_left: i32,
     window_right: i32,
     #[comptime] config: RegisterBackwardConfig,
+    #[comptime] gradients: KeyGradients,
     #[define(F)] _dtype: ElemType,
 ) {
+    let with_dk = comptime!(gradients != KeyGradients::Values);
+    let with_dv = comptime!(gradients != KeyGradients::Keys);
     let block_k = comptime!(config.block_rows());
     let block_q = config.block_stream;
     let units = comptime!(config.units());
@@ -55,8 +60,9 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let qk_ld = comptime!(RegisterMmaConfig::stride(dqk));
     let v_ld = comptime!(RegisterMmaConfig::stride(dvp));
     let s_tiles = comptime!(block_q / TILE_COLS);
-    let dk_tiles = comptime!(dqk / TILE_COLS);
-    let dv_tiles = comptime!(dvp / TILE_COLS);
+    // A launch without dK (dV) keeps a token accumulator of one tile.
+    let dk_tiles = comptime!(if with_dk { dqk / TILE_COLS } else { 1 });
+    let dv_tiles = comptime!(if with_dv { dvp / TILE_COLS } else { 1 });
     let q_stage = comptime!(block_q * qk_ld);
     let do_stage = comptime!(block_q * v_ld);
 
@@ -225,7 +231,9 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         #[unroll]
         for i in 0..comptime!(2 * s_tiles) {
             s_acc[i] = Pair::<f32>::cast_from(0.0f32);
-            dp_acc[i] = Pair::<f32>::cast_from(0.0f32);
+            if comptime!(with_dk) {
+                dp_acc[i] = Pair::<f32>::cast_from(0.0f32);
+            }
         }
         #[unroll]
         for kk in 0..comptime!(dqk / FRAGMENT) {
@@ -242,7 +250,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             }
         }
         #[unroll]
-        for kk in 0..comptime!(dvp / FRAGMENT) {
+        for kk in 0..comptime!(if with_dk { dvp / FRAGMENT } else { 0 }) {
             let vf = load_a(&v_tile, plane_row * v_ld + kk * FRAGMENT, v_ld);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
@@ -288,12 +296,16 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                             p = 0.0;
                         }
                     }
-                    let ds = p * (ds_pair.extract(e) - delta_col[2 * n + e]) * grad;
                     p_pair.insert(e, p);
-                    ds_pair.insert(e, ds);
+                    if comptime!(with_dk) {
+                        let ds = p * (ds_pair.extract(e) - delta_col[2 * n + e]) * grad;
+                        ds_pair.insert(e, ds);
+                    }
                 }
                 s_acc[at] = p_pair;
-                dp_acc[at] = ds_pair;
+                if comptime!(with_dk) {
+                    dp_acc[at] = ds_pair;
+                }
             }
         }
 
@@ -302,17 +314,27 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         for kk in 0..comptime!(block_q / FRAGMENT) {
             let pf = accumulators_as_a::<F>(&s_acc, 2 * kk);
             #[unroll]
-            for n in 0..comptime!(dv_tiles / 2) {
-                let of = load_b(&do_tile, do_base + kk * FRAGMENT * v_ld + n * FRAGMENT, v_ld);
+            for n in 0..comptime!(if with_dv { dv_tiles / 2 } else { 0 }) {
+                let of = load_b(
+                    &do_tile,
+                    do_base + kk * FRAGMENT * v_ld + n * FRAGMENT,
+                    v_ld,
+                );
                 mma(&pf, 0, &of, 0, &mut dv_acc, 2 * n);
                 mma(&pf, 0, &of, 2, &mut dv_acc, 2 * n + 1);
             }
-            let dsf = accumulators_as_a::<F>(&dp_acc, 2 * kk);
-            #[unroll]
-            for n in 0..comptime!(dk_tiles / 2) {
-                let qf = load_b(&q_tile, q_base + kk * FRAGMENT * qk_ld + n * FRAGMENT, qk_ld);
-                mma(&dsf, 0, &qf, 0, &mut dk_acc, 2 * n);
-                mma(&dsf, 0, &qf, 2, &mut dk_acc, 2 * n + 1);
+            if comptime!(with_dk) {
+                let dsf = accumulators_as_a::<F>(&dp_acc, 2 * kk);
+                #[unroll]
+                for n in 0..comptime!(dk_tiles / 2) {
+                    let qf = load_b(
+                        &q_tile,
+                        q_base + kk * FRAGMENT * qk_ld + n * FRAGMENT,
+                        qk_ld,
+                    );
+                    mma(&dsf, 0, &qf, 0, &mut dk_acc, 2 * n);
+                    mma(&dsf, 0, &qf, 2, &mut dk_acc, 2 * n + 1);
+                }
             }
         }
     }
@@ -322,8 +344,32 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     for half in 0..2usize {
         let key = k_begin + plane_row + group + 8 * half;
         if key < seq_kv {
-            store_row(dk, batch, head_kv, key, &dk_acc, half, scale, in_group, config.dim_qk);
-            store_row(dv, batch, head_kv, key, &dv_acc, half, 1.0, in_group, config.dim_v);
+            if comptime!(with_dk) {
+                store_row(
+                    dk,
+                    batch,
+                    head_kv,
+                    key,
+                    &dk_acc,
+                    half,
+                    scale,
+                    in_group,
+                    config.dim_qk,
+                );
+            }
+            if comptime!(with_dv) {
+                store_row(
+                    dv,
+                    batch,
+                    head_kv,
+                    key,
+                    &dv_acc,
+                    half,
+                    1.0,
+                    in_group,
+                    config.dim_v,
+                );
+            }
         }
     }
 }

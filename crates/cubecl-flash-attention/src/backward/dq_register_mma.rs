@@ -229,11 +229,8 @@ pub fn flash_backward_dq_mma<F: Float>(
             let of = load_a(&do_tile, plane_row * v_ld + kk * FRAGMENT, v_ld);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
-                let vf = load_b_transposed(
-                    &v_tile,
-                    v_base + n * FRAGMENT * v_ld + kk * FRAGMENT,
-                    v_ld,
-                );
+                let vf =
+                    load_b_transposed(&v_tile, v_base + n * FRAGMENT * v_ld + kk * FRAGMENT, v_ld);
                 mma(&of, 0, &vf, 0, &mut dp_acc, 2 * n);
                 mma(&of, 0, &vf, 2, &mut dp_acc, 2 * n + 1);
             }
@@ -283,7 +280,11 @@ pub fn flash_backward_dq_mma<F: Float>(
             let dsf = accumulators_as_a::<F>(&dp_acc, 2 * kk);
             #[unroll]
             for n in 0..comptime!(dq_tiles / 2) {
-                let kf = load_b(&k_tile, k_base + kk * FRAGMENT * qk_ld + n * FRAGMENT, qk_ld);
+                let kf = load_b(
+                    &k_tile,
+                    k_base + kk * FRAGMENT * qk_ld + n * FRAGMENT,
+                    qk_ld,
+                );
                 mma(&dsf, 0, &kf, 0, &mut dq_acc, 2 * n);
                 mma(&dsf, 0, &kf, 2, &mut dq_acc, 2 * n + 1);
             }

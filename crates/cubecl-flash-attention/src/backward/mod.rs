@@ -7,8 +7,8 @@
 //! Steps 2 and 3 have a portable form, a tensor-core form ([`flash_backward_dkdv_cmma`],
 //! [`flash_backward_dq_cmma`]) and a register-level form ([`flash_backward_dkdv_mma`],
 //! [`flash_backward_dq_mma`]), chosen as in the forward. The register-level path steps down
-//! to the `cmma` kernels where its kernels cannot take the problem: dK and dV accumulators
-//! too large for registers (`d_qk + d_v > 352`), or inputs not readable by 16-byte copies.
+//! to the `cmma` kernels where its kernels cannot take the problem: inputs not readable by
+//! 16-byte copies, or head dims too large for its registers and shared memory (beyond 256).
 //!
 //! Extra device memory: `D`, `[b, h_q, s_q]` f32. No `s × s` buffer, no atomics: the
 //! result is bitwise identical from run to run.
@@ -147,26 +147,29 @@ pub fn backward_into(
                 (problem.batch * problem.heads_kv) as u32,
                 1,
             );
-            unsafe {
-                flash_backward_dkdv_mma::launch_unchecked(
-                    client,
-                    count,
-                    CubeDim::new_1d(config.units() as u32),
-                    q.arg(),
-                    k.arg(),
-                    v.arg(),
-                    d_out.arg(),
-                    lse.arg(),
-                    delta.arg(),
-                    grads.dk.arg(),
-                    grads.dv.arg(),
-                    scale,
-                    softcap,
-                    left,
-                    right,
-                    config,
-                    elem,
-                );
+            for &gradients in config.key_gradients() {
+                unsafe {
+                    flash_backward_dkdv_mma::launch_unchecked(
+                        client,
+                        count.clone(),
+                        CubeDim::new_1d(config.units() as u32),
+                        q.arg(),
+                        k.arg(),
+                        v.arg(),
+                        d_out.arg(),
+                        lse.arg(),
+                        delta.arg(),
+                        grads.dk.arg(),
+                        grads.dv.arg(),
+                        scale,
+                        softcap,
+                        left,
+                        right,
+                        config,
+                        gradients,
+                        elem,
+                    );
+                }
             }
             // Head-major, as the forward.
             let count = CubeCount::Static(
