@@ -473,7 +473,8 @@ impl RegisterBackwardConfig {
 
 /// Picks the register-level backward tiles for `problem`: 4 planes of 16 rows, and the
 /// largest streamed block (64, 32 or 16 rows) whose accumulators fit the register budget and
-/// whose stages fit shared memory; dK and dV in one launch where they fit, else in two.
+/// whose stages fit shared memory; dK and dV in one launch where they fit, else in two
+/// (then 8 planes and 32-row blocks where they fit).
 pub fn choose_register_backward_tiles(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
@@ -481,29 +482,38 @@ pub fn choose_register_backward_tiles(
     // The forward's conditions: the instructions, and head dims the 16-byte copies read.
     choose_register_mma_tiles(problem, limits)?;
     let planes = 4.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
-    [false, true]
-        .into_iter()
-        .flat_map(|split| [64, 32, 16].map(|block_stream| (split, block_stream)))
-        .map(|(split, block_stream)| RegisterBackwardConfig {
-            planes,
-            block_stream,
-            dim_qk: problem.dim_qk,
-            dim_v: problem.dim_v,
-            masked: problem.options.mask.is_masked(),
-            softcap: problem.options.softcap.is_some(),
-            split,
-        })
-        .find(|c| {
-            c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET
-                && c.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory
-        })
-        .ok_or_else(|| {
-            FlashError::InvalidConfig(format!(
-                "head dims {}/{}: dK or dV of 16 keys does not fit the register-level backward's \
+    // Split launches hold half the accumulators: 8 planes of 32-row blocks ran 23% faster
+    // than 4 of 64 at d256 on the H200 (docs/benchmarks.md).
+    let wide = 8.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
+    [
+        (false, planes, 64),
+        (false, planes, 32),
+        (false, planes, 16),
+        (true, wide, 32),
+        (true, planes, 32),
+        (true, planes, 16),
+    ]
+    .into_iter()
+    .map(|(split, planes, block_stream)| RegisterBackwardConfig {
+        planes,
+        block_stream,
+        dim_qk: problem.dim_qk,
+        dim_v: problem.dim_v,
+        masked: problem.options.mask.is_masked(),
+        softcap: problem.options.softcap.is_some(),
+        split,
+    })
+    .find(|c| {
+        c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET
+            && c.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory
+    })
+    .ok_or_else(|| {
+        FlashError::InvalidConfig(format!(
+            "head dims {}/{}: dK or dV of 16 keys does not fit the register-level backward's \
                  {MMA_SYNC_REGISTER_BUDGET}-register budget and {} bytes of shared memory",
-                problem.dim_qk, problem.dim_v, limits.max_shared_memory
-            ))
-        })
+            problem.dim_qk, problem.dim_v, limits.max_shared_memory
+        ))
+    })
 }
 
 /// Resolves `Auto` to the fastest path the device has for `dtype`; a requested path the
@@ -722,6 +732,7 @@ mod tests {
         // 16 keys of dK and dV in d256 take 256 registers: two launches.
         let c = choose_register_backward_tiles(&problem(256, 256), &NVIDIA).unwrap();
         assert!(c.split && c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET);
+        assert_eq!((c.planes, c.block_stream), (8, 32));
         assert!(c.shared_bytes(2) <= NVIDIA.max_shared_memory);
         assert_eq!(c.key_gradients().len(), 2);
         let c = choose_register_backward_tiles(&problem(192, 128), &NVIDIA).unwrap();
