@@ -482,7 +482,7 @@ pub fn choose_register_backward_tiles(
     // The forward's conditions: the instructions, and head dims the 16-byte copies read.
     choose_register_mma_tiles(problem, limits)?;
     let planes = 4.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
-    // Split launches hold half the accumulators: 8 planes of 32-row blocks ran 23% faster
+    // Split launches hold half the accumulators: 8 planes of 32-row blocks ran 22% faster
     // than 4 of 64 at d256 on the H200 (docs/benchmarks.md).
     let wide = 8.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
     [
@@ -514,6 +514,40 @@ pub fn choose_register_backward_tiles(
             problem.dim_qk, problem.dim_v, limits.max_shared_memory
         ))
     })
+}
+
+/// Applies the tuning override in environment variable `var` (comma-separated numbers) to
+/// `config`: `apply` sets the tiles and returns false for numbers it does not take
+/// (`expected` describes them). Overridden tiles must fit the device's shared memory
+/// (`shared_bytes`); either failure is an error naming the variable.
+pub(crate) fn apply_tile_override<C>(
+    var: &str,
+    expected: &str,
+    mut config: C,
+    apply: impl FnOnce(&mut C, &[usize]) -> bool,
+    shared_bytes: impl Fn(&C) -> usize,
+    limits: &DeviceLimits,
+) -> Result<C, FlashError> {
+    let Ok(tiles) = std::env::var(var) else {
+        return Ok(config);
+    };
+    let parts: Vec<usize> = tiles
+        .split(',')
+        .filter_map(|p| p.trim().parse().ok())
+        .collect();
+    if !apply(&mut config, &parts) {
+        return Err(FlashError::InvalidConfig(format!(
+            "{var}={tiles}: expected {expected}"
+        )));
+    }
+    let bytes = shared_bytes(&config);
+    if bytes > limits.max_shared_memory {
+        return Err(FlashError::InvalidConfig(format!(
+            "{var}={tiles} needs {bytes} bytes of shared memory; the device offers {}",
+            limits.max_shared_memory
+        )));
+    }
+    Ok(config)
 }
 
 /// Resolves `Auto` to the fastest path the device has for `dtype`; a requested path the

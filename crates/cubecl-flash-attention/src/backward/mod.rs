@@ -24,8 +24,8 @@ mod preprocess;
 use cubecl::prelude::*;
 
 use crate::config::{
-    DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, choose_mma_tiles,
-    choose_path, choose_portable_tiles, choose_register_backward_tiles,
+    DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, apply_tile_override,
+    choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_backward_tiles,
 };
 use crate::error::FlashError;
 use crate::launch::{
@@ -326,10 +326,8 @@ fn plan(
             let readable = inputs
                 .iter()
                 .all(|t| readable_by_16_byte_copies(t, problem.dtype.size()));
-            match register_backward_config(problem, limits) {
-                Ok(config) if readable => Ok(Plan::RegisterMma(config)),
-                // A malformed tuning override is the caller's error, not a reason to step down.
-                Err(e) if std::env::var_os("FLASH_MMA_BWD_TILES").is_some() => Err(e),
+            match choose_register_backward_tiles(problem, limits) {
+                Ok(config) if readable => Ok(Plan::RegisterMma(tuned(config, problem, limits)?)),
                 _ => choose_path(KernelPath::TensorCore, problem.dtype, limits)
                     .map(|_| Plan::TensorCore),
             }
@@ -339,40 +337,41 @@ fn plan(
     }
 }
 
-/// Tiles of the register-level backward kernels. `FLASH_MMA_BWD_TILES=planes,block_stream`
-/// (e.g. `8,32`) overrides the heuristic's choice, for tuning.
+/// Tiles of the register-level backward kernels, as the launcher picks them.
 pub(crate) fn register_backward_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
 ) -> Result<RegisterBackwardConfig, FlashError> {
-    let mut config = choose_register_backward_tiles(problem, limits)?;
-    if let Ok(tiles) = std::env::var("FLASH_MMA_BWD_TILES") {
-        let parts: Vec<usize> = tiles
-            .split(',')
-            .filter_map(|p| p.trim().parse().ok())
-            .collect();
-        match parts[..] {
+    tuned(
+        choose_register_backward_tiles(problem, limits)?,
+        problem,
+        limits,
+    )
+}
+
+/// `config` with `FLASH_MMA_BWD_TILES=planes,block_stream` (e.g. `8,32`) applied, for tuning.
+fn tuned(
+    config: RegisterBackwardConfig,
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<RegisterBackwardConfig, FlashError> {
+    apply_tile_override(
+        "FLASH_MMA_BWD_TILES",
+        "planes (1 to 16),block_stream (a multiple of 16)",
+        config,
+        |config, parts| match *parts {
             [planes, block_stream]
                 if (1..=16).contains(&planes) && block_stream % 16 == 0 && block_stream > 0 =>
             {
                 config.planes = planes;
                 config.block_stream = block_stream;
-                let bytes = config.shared_bytes(problem.dtype.size());
-                if bytes > limits.max_shared_memory {
-                    return Err(FlashError::InvalidConfig(format!(
-                        "FLASH_MMA_BWD_TILES={tiles} needs {bytes} bytes of shared memory; the device offers {}",
-                        limits.max_shared_memory
-                    )));
-                }
+                true
             }
-            _ => {
-                return Err(FlashError::InvalidConfig(format!(
-                    "FLASH_MMA_BWD_TILES={tiles}: expected planes (1 to 16),block_stream (a multiple of 16)"
-                )));
-            }
-        }
-    }
-    Ok(config)
+            _ => false,
+        },
+        |config| config.shared_bytes(problem.dtype.size()),
+        limits,
+    )
 }
 
 /// Tiles of the portable dK/dV kernel: key rows in registers; Q, dO, LSE and D rows staged

@@ -7,8 +7,8 @@ mod register_mma;
 use cubecl::prelude::*;
 
 use crate::config::{
-    DeviceLimits, KernelPath, MmaConfig, RegisterMmaConfig, TileConfig, choose_mma_tiles,
-    choose_path, choose_portable_tiles, choose_register_mma_tiles,
+    DeviceLimits, KernelPath, MmaConfig, RegisterMmaConfig, TileConfig, apply_tile_override,
+    choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_mma_tiles,
 };
 use crate::error::FlashError;
 use crate::launch::{
@@ -205,35 +205,24 @@ pub(crate) fn register_mma_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
 ) -> Result<RegisterMmaConfig, FlashError> {
-    let mut config = choose_register_mma_tiles(problem, limits)?;
-    if let Ok(tiles) = std::env::var("FLASH_MMA_TILES") {
-        let parts: Vec<usize> = tiles
-            .split(',')
-            .filter_map(|p| p.trim().parse().ok())
-            .collect();
-        match parts[..] {
+    apply_tile_override(
+        "FLASH_MMA_TILES",
+        "m_tiles (1 or 2),block_kv (a multiple of 16),q_in_registers (0 or 1)",
+        choose_register_mma_tiles(problem, limits)?,
+        |config, parts| match *parts {
             [m_tiles, block_kv, q_in_registers]
                 if (1..=2).contains(&m_tiles) && block_kv % 16 == 0 && block_kv > 0 =>
             {
                 config.m_tiles = m_tiles;
                 config.block_kv = block_kv;
                 config.q_in_registers = q_in_registers != 0;
-                let bytes = config.forward_shared_bytes(problem.dtype.size());
-                if bytes > limits.max_shared_memory {
-                    return Err(FlashError::InvalidConfig(format!(
-                        "FLASH_MMA_TILES={tiles} needs {bytes} bytes of shared memory; the device offers {}",
-                        limits.max_shared_memory
-                    )));
-                }
+                true
             }
-            _ => {
-                return Err(FlashError::InvalidConfig(format!(
-                    "FLASH_MMA_TILES={tiles}: expected m_tiles (1 or 2),block_kv (a multiple of 16),q_in_registers (0 or 1)"
-                )));
-            }
-        }
-    }
-    Ok(config)
+            _ => false,
+        },
+        |config| config.forward_shared_bytes(problem.dtype.size()),
+        limits,
+    )
 }
 
 /// Tiles of the portable forward kernel: K and V rows are staged in f32.
