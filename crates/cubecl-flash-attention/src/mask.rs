@@ -116,6 +116,32 @@ impl Mask {
         clamp(k_end - self.diagonal + self.left, 0, self.seq_q)
     }
 
+    /// The keys query `i` sees (none for a query past the end).
+    pub fn visible_keys(&self, i: i32) -> Span {
+        let diagonal = i + self.diagonal;
+        let mut span = Span {
+            begin: max(diagonal - self.left, 0),
+            end: min(diagonal + self.right + 1, self.seq_kv),
+        };
+        if i >= self.seq_q {
+            span.end = span.begin;
+        }
+        span
+    }
+
+    /// The queries that see key `j` (none for a key past the end).
+    pub fn visible_queries(&self, j: i32) -> Span {
+        let from_diagonal = j - self.diagonal;
+        let mut span = Span {
+            begin: max(from_diagonal - self.right, 0),
+            end: min(from_diagonal + self.left + 1, self.seq_q),
+        };
+        if j >= self.seq_kv {
+            span.end = span.begin;
+        }
+        span
+    }
+
     /// Whether every query of `[q_begin, q_end)` sees every key of `[k_begin, k_end)`:
     /// such a block needs no mask arithmetic at all.
     pub fn is_block_visible(&self, q_begin: i32, q_end: i32, k_begin: i32, k_end: i32) -> bool {
@@ -123,6 +149,20 @@ impl Mask {
         let last_key_ok = k_end - 1 - (q_begin + self.diagonal) <= self.right;
         let first_key_ok = k_begin - (q_end - 1 + self.diagonal) >= -self.left;
         q_end <= self.seq_q && k_end <= self.seq_kv && last_key_ok && first_key_ok
+    }
+}
+
+/// The positions `[begin, end)`; empty when `end <= begin`.
+#[derive(CubeType, Clone, Copy)]
+pub struct Span {
+    pub begin: i32,
+    pub end: i32,
+}
+
+#[cube]
+impl Span {
+    pub fn contains(&self, position: i32) -> bool {
+        position >= self.begin && position < self.end
     }
 }
 

@@ -22,6 +22,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
 use crate::config::FRAGMENT;
+use crate::mask::Span;
 
 /// Two neighbouring elements of a fragment.
 pub type Pair<E> = Vector<E, Const<2>>;
@@ -129,6 +130,33 @@ pub fn accumulators_as_a<F: Float>(acc: &Array<Pair<f32>>, tile: usize) -> Array
         a[i] = Pair::<F>::cast_from(acc[2 * tile + i]);
     }
     a
+}
+
+/// Sets to `value` the lane's elements of row `half` of the `tiles` accumulator tiles from
+/// `first` whose column is outside `visible`: pairs `2(first + n) + half` of `acc` are
+/// columns `col0 + 8n + 2t` and the next one (`t = lane % 4`, as in the layout above).
+#[cube]
+pub fn hide_columns(
+    acc: &mut Array<Pair<f32>>,
+    first: usize,
+    #[comptime] tiles: usize,
+    half: usize,
+    col0: i32,
+    visible: Span,
+    value: f32,
+) {
+    let in_group = i32::cast_from(UNIT_POS_PLANE % 4);
+    #[unroll]
+    for n in 0..tiles {
+        let at = 2 * (first + n) + half;
+        let mut pair = acc[at];
+        #[unroll]
+        for e in 0..2usize {
+            let col = col0 + i32::cast_from(n * 8 + e) + 2 * in_group;
+            pair.insert(e, select(visible.contains(col), pair.extract(e), value));
+        }
+        acc[at] = pair;
+    }
 }
 
 /// `n` zeroed pairs.

@@ -221,6 +221,10 @@ const COPY: usize = 8;
 /// sequence and the padding columns are zeroed with plain stores, visible after the same
 /// wait. Needs `dim % 8 == 0`, a unit column stride, other strides multiples of 8 and a
 /// 16-byte aligned buffer (see the launcher's checks).
+///
+/// A block wholly inside the sequence whose copies divide evenly among the units (the
+/// common case) takes a path without per-row checks: each unit copies the same 16 bytes of
+/// every `units / per_row`-th row, one address increment apart.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows_async<F: Float>(
@@ -241,20 +245,36 @@ pub fn stage_rows_async<F: Float>(
     let row_stride = t.stride(2);
     let per_row = comptime!(padded / COPY);
     let total = comptime!(rows * per_row);
-    #[unroll]
-    for step in 0..comptime!(total.div_ceil(units)) {
-        let idx = step * units + UNIT_POS as usize;
-        if comptime!(total % units == 0) || idx < total {
-            let r = idx / per_row;
-            let c = (idx % per_row) * COPY;
-            let dst = offset + r * stride + c;
-            if first + r < seq && c < dim {
-                let src = base + (first + r) * row_stride + c;
-                copy_async(&t[src..src + COPY], &mut tile[dst..dst + COPY], COPY as u32);
-            } else {
-                #[unroll]
-                for e in 0..COPY {
-                    tile[dst + e] = F::new(0.0);
+    let regular = comptime!(dim == padded && units % per_row == 0 && total % units == 0);
+    if comptime!(regular) && first + rows <= seq {
+        let rows_per_pass = comptime!(units / per_row);
+        let r = UNIT_POS as usize / per_row;
+        let c = (UNIT_POS as usize % per_row) * COPY;
+        let src = base + (first + r) * row_stride + c;
+        let dst = offset + r * stride + c;
+        let src_pass = rows_per_pass * row_stride;
+        #[unroll]
+        for pass in 0..comptime!(total / units) {
+            let from = src + pass * src_pass;
+            let to = dst + comptime!(pass * rows_per_pass * stride);
+            copy_async(&t[from..from + COPY], &mut tile[to..to + COPY], COPY as u32);
+        }
+    } else {
+        #[unroll]
+        for step in 0..comptime!(total.div_ceil(units)) {
+            let idx = step * units + UNIT_POS as usize;
+            if comptime!(total % units == 0) || idx < total {
+                let r = idx / per_row;
+                let c = (idx % per_row) * COPY;
+                let dst = offset + r * stride + c;
+                if first + r < seq && c < dim {
+                    let src = base + (first + r) * row_stride + c;
+                    copy_async(&t[src..src + COPY], &mut tile[dst..dst + COPY], COPY as u32);
+                } else {
+                    #[unroll]
+                    for e in 0..COPY {
+                        tile[dst + e] = F::new(0.0);
+                    }
                 }
             }
         }

@@ -21,7 +21,7 @@ use cubecl::prelude::*;
 use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, store_row, zeros,
+    Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma, store_row, zeros,
 };
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{row_offset, stage_rows_async};
@@ -264,16 +264,11 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             }
         }
 
-        // 2. Pᵀ into `s_acc`, dSᵀ (without the softmax scale) into `dp_acc`.
-        let needs_mask = !mask.is_block_visible(
-            q0,
-            q0 + i32::cast_from(block_q),
-            i32::cast_from(k_begin),
-            i32::cast_from(k_end),
-        );
+        // 2. Pᵀ into `s_acc`, dSᵀ (without the softmax scale) into `dp_acc`; hidden
+        // probabilities are zeroed only in the blocks that straddle the mask's edge or a
+        // sequence end.
         #[unroll]
         for half in 0..2usize {
-            let key = i32::cast_from(k_begin + plane_row + group + 8 * half);
             #[unroll]
             for n in 0..s_tiles {
                 let at = 2 * n + half;
@@ -289,23 +284,36 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                         s = cap_log2 * t;
                         grad = 1.0 - t * t;
                     }
-                    let mut p = exp2_approx(s - lse_col[2 * n + e]);
-                    if needs_mask {
-                        let query = q0 + i32::cast_from(n * TILE_COLS + 2 * in_group + e);
-                        if !mask.is_visible(query, key) {
-                            p = 0.0;
-                        }
-                    }
-                    p_pair.insert(e, p);
+                    p_pair.insert(e, exp2_approx(s - lse_col[2 * n + e]));
+                    // (dPᵀ − D) · dS/d(q·k), times Pᵀ once the mask has been applied.
                     if comptime!(with_dk) {
-                        let ds = p * (ds_pair.extract(e) - delta_col[2 * n + e]) * grad;
-                        ds_pair.insert(e, ds);
+                        ds_pair.insert(e, (ds_pair.extract(e) - delta_col[2 * n + e]) * grad);
                     }
                 }
                 s_acc[at] = p_pair;
                 if comptime!(with_dk) {
                     dp_acc[at] = ds_pair;
                 }
+            }
+        }
+        let needs_mask = !mask.is_block_visible(
+            q0,
+            q0 + i32::cast_from(block_q),
+            i32::cast_from(k_begin),
+            i32::cast_from(k_end),
+        );
+        if needs_mask {
+            #[unroll]
+            for half in 0..2usize {
+                let key = i32::cast_from(k_begin + plane_row + group + 8 * half);
+                let queries = mask.visible_queries(key);
+                hide_columns(&mut s_acc, 0, s_tiles, half, q0, queries, 0.0);
+            }
+        }
+        if comptime!(with_dk) {
+            #[unroll]
+            for i in 0..comptime!(2 * s_tiles) {
+                dp_acc[i] = s_acc[i] * dp_acc[i];
             }
         }
 

@@ -19,7 +19,7 @@ use cubecl::prelude::*;
 use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, store_row, zeros,
+    Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma, store_row, zeros,
 };
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{Head, last_first, row_offset, stage_rows_async};
@@ -236,24 +236,19 @@ pub fn flash_backward_dq_mma<F: Float>(
             }
         }
 
-        // 2. dS (without the softmax scale) into `dp_acc`.
-        let needs_mask = !mask.is_block_visible(
-            i32::cast_from(q_begin),
-            i32::cast_from(q_end),
-            k0,
-            k0 + i32::cast_from(block_k),
-        );
+        // 2. P into `s_acc`, dS (without the softmax scale) into `dp_acc`; hidden
+        // probabilities are zeroed only in the blocks that straddle the mask's edge or a
+        // sequence end.
         #[unroll]
         for half in 0..2usize {
-            let row = i32::cast_from(q_begin + plane_row + group + 8 * half);
             #[unroll]
             for n in 0..s_tiles {
                 let at = 2 * n + half;
-                let s_pair = s_acc[at];
+                let mut p_pair = s_acc[at];
                 let mut ds_pair = dp_acc[at];
                 #[unroll]
                 for e in 0..2usize {
-                    let dot = s_pair.extract(e);
+                    let dot = p_pair.extract(e);
                     let mut s = dot * scale_log2;
                     let mut grad = 1.0f32;
                     if comptime!(config.softcap) {
@@ -261,17 +256,30 @@ pub fn flash_backward_dq_mma<F: Float>(
                         s = cap_log2 * t;
                         grad = 1.0 - t * t;
                     }
-                    let mut p = exp2_approx(s - lse_row[half]);
-                    if needs_mask {
-                        let key = k0 + i32::cast_from(n * TILE_COLS + 2 * in_group + e);
-                        if !mask.is_visible(row, key) {
-                            p = 0.0;
-                        }
-                    }
-                    ds_pair.insert(e, p * (ds_pair.extract(e) - delta_row[half]) * grad);
+                    p_pair.insert(e, exp2_approx(s - lse_row[half]));
+                    ds_pair.insert(e, (ds_pair.extract(e) - delta_row[half]) * grad);
                 }
+                s_acc[at] = p_pair;
                 dp_acc[at] = ds_pair;
             }
+        }
+        let needs_mask = !mask.is_block_visible(
+            i32::cast_from(q_begin),
+            i32::cast_from(q_end),
+            k0,
+            k0 + i32::cast_from(block_k),
+        );
+        if needs_mask {
+            #[unroll]
+            for half in 0..2usize {
+                let row = i32::cast_from(q_begin + plane_row + group + 8 * half);
+                let keys = mask.visible_keys(row);
+                hide_columns(&mut s_acc, 0, s_tiles, half, k0, keys, 0.0);
+            }
+        }
+        #[unroll]
+        for i in 0..comptime!(2 * s_tiles) {
+            dp_acc[i] = s_acc[i] * dp_acc[i];
         }
 
         // 3. dQ += dS·K, 16 keys per step.

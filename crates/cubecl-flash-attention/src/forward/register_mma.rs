@@ -19,7 +19,9 @@ use cubecl::prelude::*;
 
 use crate::config::{FRAGMENT, RegisterMmaConfig};
 use crate::mask::Mask;
-use crate::mma_sync::{Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, zeros};
+use crate::mma_sync::{
+    Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma, zeros,
+};
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
 use crate::tile::{Head, last_first, stage_rows_async};
 
@@ -249,42 +251,48 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
 
-        // 2. Online softmax on the registers.
+        // 2. Online softmax on the registers: scores in base 2, hidden ones marked only in
+        // the blocks that straddle the mask's edge or a sequence end.
+        #[unroll]
+        for i in 0..comptime!(2 * m_tiles * s_tiles) {
+            if comptime!(config.softcap) {
+                let mut pair = s_acc[i];
+                #[unroll]
+                for e in 0..2usize {
+                    pair.insert(e, cap_log2 * (pair.extract(e) * pre_cap).tanh());
+                }
+                s_acc[i] = pair;
+            } else {
+                s_acc[i] = s_acc[i] * Pair::<f32>::cast_from(scale_log2);
+            }
+        }
         let needs_mask = !mask.is_block_visible(
             i32::cast_from(q_begin),
             i32::cast_from(q_end),
             k0,
             k0 + i32::cast_from(block_kv),
         );
+        if needs_mask {
+            #[unroll]
+            for t in 0..m_tiles {
+                #[unroll]
+                for half in 0..2usize {
+                    let row = i32::cast_from(q_begin + plane_row + t * FRAGMENT + group + 8 * half);
+                    let keys = mask.visible_keys(row);
+                    hide_columns(&mut s_acc, t * s_tiles, s_tiles, half, k0, keys, MASKED);
+                }
+            }
+        }
         #[unroll]
         for t in 0..m_tiles {
             #[unroll]
             for half in 0..2usize {
                 let r = 2 * t + half;
-                let row = i32::cast_from(q_begin + plane_row + t * FRAGMENT + group + 8 * half);
                 let mut block_max = f32::new(MASKED);
                 #[unroll]
                 for n in 0..s_tiles {
-                    let at = 2 * (t * s_tiles + n) + half;
-                    let mut pair = s_acc[at];
-                    #[unroll]
-                    for e in 0..2usize {
-                        let dot = pair.extract(e);
-                        let mut s = if comptime!(config.softcap) {
-                            cap_log2 * (dot * pre_cap).tanh()
-                        } else {
-                            dot * scale_log2
-                        };
-                        if needs_mask {
-                            let key = k0 + i32::cast_from(n * TILE_COLS + 2 * in_group + e);
-                            if !mask.is_visible(row, key) {
-                                s = f32::new(MASKED);
-                            }
-                        }
-                        pair.insert(e, s);
-                        block_max = max(block_max, s);
-                    }
-                    s_acc[at] = pair;
+                    let pair = s_acc[2 * (t * s_tiles + n) + half];
+                    block_max = max(block_max, max(pair.extract(0usize), pair.extract(1usize)));
                 }
                 block_max = row_reduce_max(block_max, LANES_PER_ROW);
                 let m_new = max(row_max[r], block_max);
