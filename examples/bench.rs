@@ -5,6 +5,11 @@
 //! around each. The backward time is the forward+backward median minus the forward median
 //! (Burn's autodiff graph is consumed by `backward`, so the backward cannot be rerun alone).
 //!
+//! `back_to_back_ms` is the time per call when calls run back to back and the device is
+//! synced once after them: the synced median minus it is what one host-device round trip
+//! costs a call, and on a tiny problem it shows the fixed cost of a call (host work, launch)
+//! that the FLOP rate of short sequences pays.
+//!
 //! Memory per call, from CubeCL's memory report: `held_extra_mib`, what the outputs hold
 //! after the call; `peak_extra_mib`, how far the device memory reserved by the call grew
 //! from a cleaned-up pool (an upper bound of the transient peak at the pool's page size).
@@ -78,6 +83,7 @@ struct Record {
     tflops: f64,
     peak_extra_mib: Option<f64>,
     held_extra_mib: Option<f64>,
+    back_to_back_ms: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -132,6 +138,8 @@ struct Measure {
     seconds: f64,
     held_extra_mib: Option<f64>,
     peak_extra_mib: Option<f64>,
+    /// Seconds per call with calls back to back, one sync after them.
+    back_to_back: Option<f64>,
 }
 
 fn mib(bytes: i64) -> f64 {
@@ -174,10 +182,17 @@ fn measure(
         drop(out);
     }
     times.sort_by(f64::total_cmp);
+    let calls = times.len().clamp(3, 20);
+    let start = Instant::now();
+    for _ in 0..calls {
+        drop(f());
+    }
+    dev.sync().unwrap();
     Measure {
         seconds: times[times.len() / 2],
         held_extra_mib,
         peak_extra_mib,
+        back_to_back: Some(start.elapsed().as_secs_f64() / calls as f64),
     }
 }
 
@@ -264,6 +279,7 @@ fn main() {
                     seconds: (fb.seconds - f.seconds).max(f64::MIN_POSITIVE),
                     held_extra_mib: None,
                     peak_extra_mib: None,
+                    back_to_back: None,
                 }),
                 _ => None,
             };
@@ -288,14 +304,17 @@ fn main() {
                     tflops: factor * flops / m.seconds / 1e12,
                     peak_extra_mib: m.peak_extra_mib,
                     held_extra_mib: m.held_extra_mib,
+                    back_to_back_ms: m.back_to_back.map(|t| t * 1e3),
                 };
                 eprintln!(
-                    "[{}/{total}] {dt} b{b} h{h}/{h_kv} s{s} d{d} causal={causal} {imp:>12} {pass:>7}: {:9.3} ms {:7.1} TFLOP/s  peak {}",
+                    "[{}/{total}] {dt} b{b} h{h}/{h_kv} s{s} d{d} causal={causal} {imp:>12} {pass:>7}: {:9.3} ms {:7.1} TFLOP/s  peak {}  back to back {}",
                     n + 1,
                     rec.ms,
                     rec.tflops,
                     rec.peak_extra_mib
-                        .map_or("-".into(), |m| format!("{m:.0} MiB"))
+                        .map_or("-".into(), |m| format!("{m:.0} MiB")),
+                    rec.back_to_back_ms
+                        .map_or("-".into(), |t| format!("{t:.3} ms"))
                 );
                 records.push(serde_json::to_value(rec).unwrap());
             }

@@ -337,7 +337,9 @@ fn plan(
     }
 }
 
-/// Tiles of the register-level backward kernels, as the launcher picks them.
+/// Tiles of the register-level backward kernels, as the launcher picks them (for
+/// [`crate::sources`], compiled with the CUDA or ROCm runtime).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) fn register_backward_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
