@@ -9,7 +9,9 @@ use burn_flash_attention::kernels::{
 };
 use cubecl::client::Client;
 
-use crate::common::{self, Case, assert_close, download, naive, poisoned, upload, upload_bshd};
+use crate::common::{
+    self, Case, assert_close, download, naive, poisoned, upload, upload_bshd, upload_padded_rows,
+};
 
 struct Inputs {
     q: Vec<f64>,
@@ -40,7 +42,18 @@ fn shapes(case: &Case) -> ([usize; 4], [usize; 4], [usize; 4], [usize; 4]) {
 
 /// Runs forward and backward on the device (outputs poisoned with NaN first) and checks
 /// everything against the oracle.
-fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool, path: KernelPath) {
+/// How the inputs (Q, K, V, dO) sit in memory.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Layout {
+    /// Contiguous `[b, h, s, d]`.
+    Contiguous,
+    /// `[b, s, h, d]` in memory, viewed as `[b, h, s, d]` (`swap_dims(1, 2)`).
+    Bshd,
+    /// Rows of `d + 1` elements: not 16-byte aligned.
+    PaddedRows,
+}
+
+fn check_case(client: &Client, case: &Case, dtype: FloatDtype, layout: Layout, path: KernelPath) {
     if path == KernelPath::RegisterMma && !(case.dims.dim_qk % 8 == 0 && case.dims.dim_v % 8 == 0) {
         // 16-byte copies: `Auto` runs these head dims on the cmma path (tested there).
         eprintln!(
@@ -51,12 +64,16 @@ fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool, pa
     }
     let (seed, mut rng) = common::rng();
     let context = format!(
-        "seed {seed} (FLASH_SEED={seed} reproduces), {path:?}, {dtype:?}, strided={strided}, {case:?}"
+        "seed {seed} (FLASH_SEED={seed} reproduces), {path:?}, {dtype:?}, {layout:?}, {case:?}"
     );
     let start = std::time::Instant::now();
     let x = inputs(case, dtype, &mut rng);
     let (qs, ks, vs, os) = shapes(case);
-    let up = if strided { upload_bshd } else { upload };
+    let up = |client: &Client, data: &[f64], shape: &[usize], dtype| match layout {
+        Layout::Contiguous => upload(client, data, shape, dtype),
+        Layout::Bshd => upload_bshd(client, data, shape, dtype),
+        Layout::PaddedRows => upload_padded_rows(client, data, shape, dtype, 1),
+    };
     let (q, k, v) = (
         up(client, &x.q, &qs, dtype),
         up(client, &x.k, &ks, dtype),
@@ -134,7 +151,7 @@ fn check_case(client: &Client, case: &Case, dtype: FloatDtype, strided: bool, pa
     );
 
     eprintln!(
-        "{path:?} {dtype:?} {:?} causal={} window={:?} softcap={:?} strided={strided}: device {:.2?}, total {:.2?}",
+        "{path:?} {dtype:?} {:?} causal={} window={:?} softcap={:?} {layout:?}: device {:.2?}, total {:.2?}",
         case.dims,
         case.causal,
         case.window,
@@ -174,7 +191,7 @@ fn forward_and_backward_match_the_oracle() {
                 continue;
             }
             for path in common::paths(&client, dtype) {
-                check_case(&client, &case, dtype, false, path);
+                check_case(&client, &case, dtype, Layout::Contiguous, path);
             }
         }
     }
@@ -187,13 +204,41 @@ fn strided_bshd_inputs_are_read_in_place() {
         .iter()
         .filter(|c| !c.is_long() && c.runs_on_this_device())
     {
-        check_case(&client, case, FloatDtype::F32, true, KernelPath::Portable);
+        check_case(
+            &client,
+            case,
+            FloatDtype::F32,
+            Layout::Bshd,
+            KernelPath::Portable,
+        );
         // The tensor-core paths read strided half-precision inputs the same way.
         for path in common::paths(&client, FloatDtype::BF16) {
             if path != KernelPath::Portable {
-                check_case(&client, case, FloatDtype::BF16, true, path);
+                check_case(&client, case, FloatDtype::BF16, Layout::Bshd, path);
             }
         }
+    }
+}
+
+/// Inputs whose rows are not 16-byte aligned, the incoming gradient included: `Auto` runs
+/// them (on CUDA the register-level forward and backward step down to the `cmma` kernels)
+/// and the results match the oracle.
+#[test]
+fn misaligned_rows_step_down_and_stay_correct() {
+    let client = common::client();
+    // Half precision where the device has it (the register-level path's dtypes); f32 on
+    // the CPU test device, where half precision is slow.
+    let dtype = match common::is_cpu_device() {
+        true => FloatDtype::F32,
+        false => *common::dtypes(&client).last().unwrap(),
+    };
+    for case in common::catalogue()
+        .iter()
+        .filter(|c| !c.is_long() && c.runs_on_this_device())
+        .filter(|c| c.dims.dim_qk % 8 == 0 && c.dims.dim_v % 8 == 0)
+        .take(3)
+    {
+        check_case(&client, case, dtype, Layout::PaddedRows, KernelPath::Auto);
     }
 }
 

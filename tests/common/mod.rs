@@ -202,6 +202,27 @@ pub fn upload_bshd(
     t
 }
 
+/// Uploads contiguous `[b, h, s, d]` data into rows of `d + pad` elements, viewed back as
+/// `[b, h, s, d]` through strides: with an odd `pad`, rows are not 16-byte aligned.
+pub fn upload_padded_rows(
+    client: &Client,
+    data: &[f64],
+    shape: &[usize],
+    dtype: FloatDtype,
+    pad: usize,
+) -> DeviceTensor {
+    let [b, h, s, d] = shape.try_into().unwrap();
+    let row = d + pad;
+    let mut padded = vec![0.0; b * h * s * row];
+    for (n, &x) in data.iter().enumerate() {
+        padded[(n / d) * row + n % d] = x;
+    }
+    let mut t = DeviceTensor::from_bytes(client, &[b, h, s, row], &to_bytes(&padded, dtype));
+    t.shape = shape.to_vec();
+    t.strides = vec![h * s * row, s * row, row, 1];
+    t
+}
+
 /// A contiguous tensor filled with NaN, so that anything a kernel fails to write shows.
 pub fn poisoned(client: &Client, shape: &[usize], dtype: FloatDtype) -> DeviceTensor {
     let n: usize = shape.iter().product();
