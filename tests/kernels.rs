@@ -40,8 +40,6 @@ fn shapes(case: &Case) -> ([usize; 4], [usize; 4], [usize; 4], [usize; 4]) {
     )
 }
 
-/// Runs forward and backward on the device (outputs poisoned with NaN first) and checks
-/// everything against the oracle.
 /// How the inputs (Q, K, V, dO) sit in memory.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Layout {
@@ -53,6 +51,8 @@ enum Layout {
     PaddedRows,
 }
 
+/// Runs forward and backward on the device (outputs poisoned with NaN first) and checks
+/// everything against the oracle.
 fn check_case(client: &Client, case: &Case, dtype: FloatDtype, layout: Layout, path: KernelPath) {
     if path == KernelPath::RegisterMma && !(case.dims.dim_qk % 8 == 0 && case.dims.dim_v % 8 == 0) {
         // 16-byte copies: `Auto` runs these head dims on the cmma path (tested there).
