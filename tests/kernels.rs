@@ -242,6 +242,30 @@ fn misaligned_rows_step_down_and_stay_correct() {
     }
 }
 
+/// Softmax scales under `Auto`: a positive one (on CUDA the register-level forward folds it
+/// into the exponent), and zero and negative ones, which that path refuses (it takes row
+/// maxima of unscaled scores), so the forward steps down; all match the oracle, masked rows
+/// with s_q ≠ s_kv included.
+#[test]
+fn every_scale_sign_runs_under_auto() {
+    let client = common::client();
+    let dtype = match common::is_cpu_device() {
+        true => FloatDtype::F32,
+        false => *common::dtypes(&client).last().unwrap(),
+    };
+    let base = common::catalogue()
+        .into_iter()
+        .find(|c| c.causal && c.dims.seq_q > c.dims.seq_kv && c.dims.dim_qk == 64)
+        .expect("a causal d = 64 case with s_q > s_kv");
+    for scale in [0.4, 0.0, -0.4] {
+        let case = Case {
+            scale: Some(scale),
+            ..base
+        };
+        check_case(&client, &case, dtype, Layout::Contiguous, KernelPath::Auto);
+    }
+}
+
 #[test]
 fn backward_is_bitwise_deterministic() {
     let client = common::client();

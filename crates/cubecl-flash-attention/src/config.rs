@@ -337,6 +337,12 @@ impl RegisterMmaConfig {
     }
 }
 
+/// Smallest softmax scale the register-level forward takes without a softcap. It compares
+/// unscaled scores (the maximum of `scale·s` is `scale·max s` only for a positive scale) and
+/// marks hidden keys with [`crate::softmax::MASKED`], whose scaled value must stay far below
+/// any visible score's.
+pub const MIN_FOLDED_SCALE: f32 = 1e-20;
+
 /// Registers a unit may spend on accumulators and fragments, out of the 255 a CUDA thread
 /// has: the rest holds addresses, the softmax state and the operands in flight.
 const MMA_SYNC_REGISTER_BUDGET: usize = 192;
@@ -359,6 +365,14 @@ pub fn choose_register_mma_tiles(
         return Err(FlashError::Unavailable(format!(
             "the register-level path copies 16-byte rows: head dims {}/{} must be multiples of 8",
             problem.dim_qk, problem.dim_v
+        )));
+    }
+    if problem.options.softcap.is_none() && !(problem.scale() >= MIN_FOLDED_SCALE) {
+        return Err(FlashError::Unavailable(format!(
+            "the register-level forward takes row maxima of unscaled scores and folds the \
+             softmax scale into the exponent's multiply-add, which needs a scale of at least \
+             {MIN_FOLDED_SCALE:e}; got {}",
+            problem.scale()
         )));
     }
     let elem = problem.dtype.size();
@@ -745,6 +759,23 @@ mod tests {
             choose_register_mma_tiles(&problem(111, 111), &NVIDIA),
             Err(FlashError::Unavailable(_))
         ));
+        // Scales the folded exponent cannot take, unless a softcap bounds the scores first.
+        for scale in [-0.125, 0.0, 1e-30] {
+            let mut p = problem(64, 64);
+            p.options.scale = Some(scale);
+            assert!(
+                matches!(
+                    choose_register_mma_tiles(&p, &NVIDIA),
+                    Err(FlashError::Unavailable(_))
+                ),
+                "scale {scale}"
+            );
+            p.options.softcap = Some(30.0);
+            assert!(
+                choose_register_mma_tiles(&p, &NVIDIA).is_ok(),
+                "scale {scale}"
+            );
+        }
         assert!(matches!(
             choose_register_mma_tiles(&problem(64, 64), &AMD),
             Err(FlashError::Unavailable(_))

@@ -61,11 +61,17 @@ pub fn flash_forward_mma<F: Float>(
     let k_stage = comptime!(block_kv * qk_ld);
     let v_stage = comptime!(block_kv * v_ld);
 
-    // Scores in base 2 (`s · log2 e`), for the fast exponential; the softcap
+    // Exponents in base 2 (`s · log2 e`), for the fast exponential; the softcap
     // `cap · tanh(s / cap)` is scaled the same way.
     let scale_log2 = scale * LOG2_E;
     let pre_cap = scale / softcap;
     let cap_log2 = softcap * LOG2_E;
+    // What multiplies a stored score (and row maximum) into the base-2 exponent: the scale
+    // is folded into the exponent's multiply-add unless a softcap was applied first.
+    let mut exponent_scale = scale_log2;
+    if comptime!(config.softcap) {
+        exponent_scale = 1.0;
+    }
 
     let lane = UNIT_POS_PLANE as usize;
     let group = lane / LANES_PER_ROW;
@@ -251,21 +257,24 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
 
-        // 2. Online softmax on the registers: scores in base 2, hidden ones marked only in
-        // the blocks that straddle the mask's edge or a sequence end.
-        #[unroll]
-        for i in 0..comptime!(2 * m_tiles * s_tiles) {
-            if comptime!(config.softcap) {
+        // 2. Online softmax on the registers, hidden scores marked only in the blocks that
+        // straddle the mask's edge or a sequence end. Without a softcap the scores stay
+        // unscaled (the launcher guarantees a positive scale): maxima are taken on them and
+        // the scale is applied inside the exponent, `2^(s·scale_log2 − m·scale_log2)`, one
+        // multiply-add per score (see `MIN_FOLDED_SCALE`). A softcap is applied here, in
+        // base 2.
+        if comptime!(config.softcap) {
+            #[unroll]
+            for i in 0..comptime!(2 * m_tiles * s_tiles) {
                 let mut pair = s_acc[i];
                 #[unroll]
                 for e in 0..2usize {
                     pair.insert(e, cap_log2 * (pair.extract(e) * pre_cap).tanh());
                 }
                 s_acc[i] = pair;
-            } else {
-                s_acc[i] = s_acc[i] * Pair::<f32>::cast_from(scale_log2);
             }
         }
+
         let needs_mask = !mask.is_block_visible(
             i32::cast_from(q_begin),
             i32::cast_from(q_end),
@@ -283,24 +292,53 @@ pub fn flash_forward_mma<F: Float>(
                 }
             }
         }
+        // The block's maximum of each of the lane's rows; the plane rescales only when some
+        // row's maximum outgrew the one its exponentials are taken against by more than
+        // `RESCALE_SLACK` (base 2): below that the stale maximum is kept, probabilities may
+        // reach 2^RESCALE_SLACK, and sum and output stay consistent with it.
+        let mut block_max = Array::<f32>::new(comptime!(2 * m_tiles));
+        let mut outgrown = false;
         #[unroll]
         for t in 0..m_tiles {
             #[unroll]
             for half in 0..2usize {
                 let r = 2 * t + half;
-                let mut block_max = f32::new(MASKED);
+                let mut m = f32::new(MASKED);
                 #[unroll]
                 for n in 0..s_tiles {
                     let pair = s_acc[2 * (t * s_tiles + n) + half];
-                    block_max = max(block_max, max(pair.extract(0usize), pair.extract(1usize)));
+                    m = max(m, max(pair.extract(0usize), pair.extract(1usize)));
                 }
-                block_max = row_reduce_max(block_max, LANES_PER_ROW);
-                let m_new = max(row_max[r], block_max);
-                // Exponentials against 0 while the row has seen no visible key, so that
-                // masked scores (MASKED − 0) still give exactly 0.
-                let m_ref = select(m_new == f32::new(MASKED), 0.0, m_new);
-                let alpha = exp2_approx(row_max[r] - m_ref);
+                m = row_reduce_max(m, LANES_PER_ROW);
+                block_max[r] = m;
+                outgrown = outgrown
+                    || m * exponent_scale > row_max[r] * exponent_scale + f32::new(RESCALE_SLACK);
+            }
+        }
+        if plane_any(outgrown) {
+            #[unroll]
+            for r in 0..comptime!(2 * m_tiles) {
+                let m_new = max(row_max[r], block_max[r]);
+                let alpha =
+                    exp2_approx(row_max[r] * exponent_scale - reference(m_new, exponent_scale));
                 row_max[r] = m_new;
+                row_sum[r] *= alpha;
+                let alpha_pair = Pair::<f32>::cast_from(alpha);
+                let t = r / 2;
+                let half = r % 2;
+                #[unroll]
+                for n in 0..o_tiles {
+                    let at = 2 * (t * o_tiles + n) + half;
+                    o_acc[at] = o_acc[at] * alpha_pair;
+                }
+            }
+        }
+        #[unroll]
+        for t in 0..m_tiles {
+            #[unroll]
+            for half in 0..2usize {
+                let r = 2 * t + half;
+                let m_ref = reference(row_max[r], exponent_scale);
                 let mut block_sum = 0.0f32;
                 #[unroll]
                 for n in 0..s_tiles {
@@ -308,19 +346,13 @@ pub fn flash_forward_mma<F: Float>(
                     let mut pair = s_acc[at];
                     #[unroll]
                     for e in 0..2usize {
-                        let p = exp2_approx(pair.extract(e) - m_ref);
+                        let p = exp2_approx(pair.extract(e) * exponent_scale - m_ref);
                         block_sum += p;
                         pair.insert(e, p);
                     }
                     s_acc[at] = pair;
                 }
-                row_sum[r] = row_sum[r] * alpha + block_sum;
-                let alpha_pair = Pair::<f32>::cast_from(alpha);
-                #[unroll]
-                for n in 0..o_tiles {
-                    let at = 2 * (t * o_tiles + n) + half;
-                    o_acc[at] = o_acc[at] * alpha_pair;
-                }
+                row_sum[r] += block_sum;
             }
         }
 
@@ -403,10 +435,22 @@ pub fn flash_forward_mma<F: Float>(
                     let lse_index = head.batch * lse.stride(0)
                         + head.head_q * lse.stride(1)
                         + row * lse.stride(2);
-                    let lse_value = row_max[r] * std::f32::consts::LN_2 + sum.ln();
+                    let lse_value =
+                        reference(row_max[r], exponent_scale) * std::f32::consts::LN_2 + sum.ln();
                     lse[lse_index] = select(sum > 0.0, lse_value, neg_inf);
                 }
             }
         }
     }
+}
+
+/// Headroom (base 2) a row's maximum may gain before the plane rescales its output.
+const RESCALE_SLACK: f32 = 8.0;
+
+/// The exponent a row's probabilities are taken against: its maximum, scaled; 0 while the
+/// row has seen no visible key, so that masked scores (`MASKED`·scale − 0) still give
+/// exactly 0.
+#[cube]
+fn reference(row_max: f32, exponent_scale: f32) -> f32 {
+    select(row_max == f32::new(MASKED), 0.0, row_max * exponent_scale)
 }
