@@ -18,7 +18,7 @@
 //! Accumulator tiles are stored in flat arrays, two pairs per 16×8 tile: pair `2·tile` is row
 //! `g`, pair `2·tile + 1` row `g + 8`.
 
-use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
 use crate::config::FRAGMENT;
@@ -44,13 +44,7 @@ pub fn load_a<F: Float>(
     #[comptime] ld: usize,
 ) -> Array<Pair<F>> {
     let lane = UNIT_POS_PLANE as usize;
-    let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
-    definition::<F>().load_matrix::<F, Const<2>>(
-        &tile[start..start + ROW],
-        MatrixIdent::A,
-        4usize,
-        false,
-    )
+    ldmatrix_x4(tile, offset + (lane % 16) * ld + (lane / 16) * ROW, false)
 }
 
 /// The B fragments of two neighbouring 8-column tiles of `Xᵀ`, for the 16×16 block of `X`
@@ -67,12 +61,7 @@ pub fn load_b_transposed<F: Float>(
     // Matrix `lane / 8`: rows 0–7 or 8–15 (bit 1), columns 0–7 or 8–15 (bit 0).
     let matrix = lane / ROW;
     let start = offset + (lane % ROW + (matrix / 2) * ROW) * ld + (matrix % 2) * ROW;
-    definition::<F>().load_matrix::<F, Const<2>>(
-        &tile[start..start + ROW],
-        MatrixIdent::B,
-        4usize,
-        false,
-    )
+    ldmatrix_x4(tile, start, false)
 }
 
 /// The B fragments of two neighbouring 8-column tiles of the 16×16 block of `X` at `offset`
@@ -85,13 +74,51 @@ pub fn load_b<F: Float>(
     #[comptime] ld: usize,
 ) -> Array<Pair<F>> {
     let lane = UNIT_POS_PLANE as usize;
-    let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
-    definition::<F>().load_matrix::<F, Const<2>>(
-        &tile[start..start + ROW],
-        MatrixIdent::B,
-        4usize,
-        true,
-    )
+    ldmatrix_x4(tile, offset + (lane % 16) * ld + (lane / 16) * ROW, true)
+}
+
+/// `ldmatrix.x4` (`.trans` if `transpose`): the lane passes the address of its 16-byte row,
+/// element `start` of `tile`. The address is the tile's shared-memory window address plus a
+/// 32-bit byte offset, so that `ptxas` folds the constant part of every offset into the
+/// instruction instead of converting a generic pointer per load.
+#[cube]
+fn ldmatrix_x4<F: Float>(
+    tile: &Shared<[F]>,
+    start: usize,
+    #[comptime] transpose: bool,
+) -> Array<Pair<F>> {
+    let address = shared_address(tile) + u32::cast_from(start * F::size());
+    let rows: Vector<u32, Const<4>>;
+    if comptime!(transpose) {
+        gpu_asm!(
+            "ldmatrix.sync.aligned.m8n8.x4.trans.shared::cta.b16 {rows}, [{address}];",
+            rows = out(_) rows, address = in(_) address,
+        );
+    } else {
+        gpu_asm!(
+            "ldmatrix.sync.aligned.m8n8.x4.shared::cta.b16 {rows}, [{address}];",
+            rows = out(_) rows, address = in(_) address,
+        );
+    }
+    let mut fragment = Array::<Pair<F>>::new(4usize);
+    #[unroll]
+    for i in 0..4usize {
+        fragment[i] = Pair::<F>::reinterpret(rows.extract(i));
+    }
+    fragment
+}
+
+/// The `.shared` window address of `tile[0]` (a pure function of the tile: computed once
+/// per kernel, however many loads use it).
+#[cube]
+fn shared_address<F: Float>(tile: &Shared<[F]>) -> u32 {
+    let pointer = unsafe { tile.as_ptr_unchecked() };
+    let address: u32;
+    gpu_asm!(
+        "{{ .reg .u64 window; cvta.to.shared.u64 window, {pointer}; cvt.u32.u64 {address}, window; }}",
+        pointer = in(_) pointer, address = out(_) address, options(pure, nomem),
+    );
+    address
 }
 
 /// `acc[tile] += A · B` for the A fragment at pairs `a_at..a_at + 4` of `a` and the B fragment

@@ -281,6 +281,49 @@ pub fn stage_rows_async<F: Float>(
     }
 }
 
+/// Stages `rows` entries of two `[batch, heads, seq]` f32 vectors (the LSE and D of a query
+/// block) with 4-byte asynchronous copies: `a` at `offset`, `b` at `offset + rows`, visible
+/// once the barrier they are committed to has been waited on (as [`stage_rows_async`]).
+/// Entries past the end of the sequence repeat the last one.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_vectors_async(
+    a: &Tensor<f32>,
+    b: &Tensor<f32>,
+    batch: usize,
+    head: usize,
+    first: usize,
+    tile: &mut Shared<[f32]>,
+    offset: usize,
+    #[comptime] rows: usize,
+    #[comptime] units: usize,
+) {
+    let last = a.shape(2) - 1;
+    #[unroll]
+    for pass in 0..comptime!((2 * rows).div_ceil(units)) {
+        let idx = pass * units + UNIT_POS as usize;
+        if comptime!((2 * rows) % units == 0) || idx < 2 * rows {
+            let r = idx % rows;
+            let row = min(first + r, last);
+            if idx < rows {
+                let at = row_offset(a, batch, head, row);
+                copy_async(
+                    &a[at..at + 1],
+                    &mut tile[offset + idx..offset + idx + 1],
+                    1u32,
+                );
+            } else {
+                let at = row_offset(b, batch, head, row);
+                copy_async(
+                    &b[at..at + 1],
+                    &mut tile[offset + idx..offset + idx + 1],
+                    1u32,
+                );
+            }
+        }
+    }
+}
+
 /// Position `index` of `count` counted from the end.
 #[cube]
 pub fn last_first(index: usize, count: usize) -> usize {

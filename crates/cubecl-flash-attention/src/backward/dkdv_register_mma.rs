@@ -7,7 +7,7 @@
 //!
 //! 1. `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (`mma.sync`, operands by `ldmatrix`);
 //! 2. `Pᵀ = exp(Sᵀ − LSE)` and `dSᵀ = Pᵀ ⊙ (dPᵀ − D) · dS/d(q·k)`, element-wise on the
-//!    accumulators, the LSE and D of the lane's query columns read once per block;
+//!    accumulators, the LSE and D of the block's queries staged with it;
 //! 3. `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, `Pᵀ` and `dSᵀ` converted to the input dtype in
 //!    registers and used as A operands directly (see [`crate::mma_sync`]).
 //!
@@ -24,7 +24,7 @@ use crate::mma_sync::{
     Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma, store_row, zeros,
 };
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{row_offset, stage_rows_async};
+use crate::tile::{stage_rows_async, stage_vectors_async};
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -65,6 +65,8 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let dv_tiles = comptime!(if with_dv { dvp / TILE_COLS } else { 1 });
     let q_stage = comptime!(block_q * qk_ld);
     let do_stage = comptime!(block_q * v_ld);
+    // LSE then D of the block's queries.
+    let stats_stage = comptime!(2 * block_q);
 
     // Scores in base 2, as in the forward (whose LSE is natural-log: scaled by log2 e).
     let scale_log2 = scale * LOG2_E;
@@ -89,6 +91,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let mut v_tile = Shared::<[F]>::new_aligned_slice(block_k * v_ld, 16usize);
     let mut q_tile = Shared::<[F]>::new_aligned_slice(2 * q_stage, 16usize);
     let mut do_tile = Shared::<[F]>::new_aligned_slice(2 * do_stage, 16usize);
+    let mut stats_tile = Shared::<[f32]>::new_aligned_slice(2 * stats_stage, 16usize);
     let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
@@ -160,13 +163,23 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             v_ld,
             units,
         );
+        stage_vectors_async(
+            lse,
+            delta,
+            batch,
+            head_q,
+            q0,
+            &mut stats_tile,
+            0,
+            block_q,
+            units,
+        );
         landed_0.commit_copy_async();
     }
 
     for step in 0..steps {
         let stage = usize::cast_from(step % 2);
         let next = 1 - stage;
-        let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
         let q0 = blocks.start(step % blocks.count, block_q);
 
         // Q and dO of this block (and K, V with the first) have landed; every unit is done
@@ -205,6 +218,17 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 v_ld,
                 units,
             );
+            stage_vectors_async(
+                lse,
+                delta,
+                batch,
+                next_head,
+                next_q0,
+                &mut stats_tile,
+                next * stats_stage,
+                block_q,
+                units,
+            );
             if next == 0 {
                 landed_0.commit_copy_async();
             } else {
@@ -212,16 +236,16 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             }
         }
 
-        // The LSE and D of the lane's columns (rows past the end read the last row: their
-        // scores are masked).
+        // The LSE and D of the lane's columns, staged with the block (queries past the end
+        // repeat the last one: their scores are masked).
+        let stats = stage * stats_stage + 2 * in_group;
         #[unroll]
         for n in 0..s_tiles {
             #[unroll]
             for e in 0..2usize {
-                let col = usize::cast_from(q0) + n * TILE_COLS + 2 * in_group + e;
-                let row = min(col, seq_q - 1);
-                lse_col[2 * n + e] = lse[row_offset(lse, batch, head_q, row)] * LOG2_E;
-                delta_col[2 * n + e] = delta[row_offset(delta, batch, head_q, row)];
+                let col = n * TILE_COLS + e;
+                lse_col[2 * n + e] = stats_tile[stats + col] * LOG2_E;
+                delta_col[2 * n + e] = stats_tile[stats + block_q + col];
             }
         }
 

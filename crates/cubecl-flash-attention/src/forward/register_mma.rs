@@ -292,43 +292,30 @@ pub fn flash_forward_mma<F: Float>(
                 }
             }
         }
-        // The block's maximum of each of the lane's rows; the plane rescales only when some
-        // row's maximum outgrew the one its exponentials are taken against by more than
-        // `RESCALE_SLACK` (base 2): below that the stale maximum is kept, probabilities may
-        // reach 2^RESCALE_SLACK, and sum and output stay consistent with it.
-        let mut block_max = Array::<f32>::new(comptime!(2 * m_tiles));
+        // The plane rescales only when some row's block maximum outgrew the maximum its
+        // exponentials are taken against by more than `RESCALE_SLACK` (base 2): below that
+        // the stale maximum is kept, probabilities may reach 2^RESCALE_SLACK, and sum and
+        // output stay consistent with it. (The maxima are taken again in the rare rescale
+        // rather than kept in registers through the common path.)
         let mut outgrown = false;
         #[unroll]
-        for t in 0..m_tiles {
-            #[unroll]
-            for half in 0..2usize {
-                let r = 2 * t + half;
-                let mut m = f32::new(MASKED);
-                #[unroll]
-                for n in 0..s_tiles {
-                    let pair = s_acc[2 * (t * s_tiles + n) + half];
-                    m = max(m, max(pair.extract(0usize), pair.extract(1usize)));
-                }
-                m = row_reduce_max(m, LANES_PER_ROW);
-                block_max[r] = m;
-                outgrown = outgrown
-                    || m * exponent_scale > row_max[r] * exponent_scale + f32::new(RESCALE_SLACK);
-            }
+        for r in 0..comptime!(2 * m_tiles) {
+            let m = block_row_max(&s_acc, r, s_tiles);
+            outgrown = outgrown
+                || m * exponent_scale > row_max[r] * exponent_scale + f32::new(RESCALE_SLACK);
         }
         if plane_any(outgrown) {
             #[unroll]
             for r in 0..comptime!(2 * m_tiles) {
-                let m_new = max(row_max[r], block_max[r]);
+                let m_new = max(row_max[r], block_row_max(&s_acc, r, s_tiles));
                 let alpha =
                     exp2_approx(row_max[r] * exponent_scale - reference(m_new, exponent_scale));
                 row_max[r] = m_new;
                 row_sum[r] *= alpha;
                 let alpha_pair = Pair::<f32>::cast_from(alpha);
-                let t = r / 2;
-                let half = r % 2;
                 #[unroll]
                 for n in 0..o_tiles {
-                    let at = 2 * (t * o_tiles + n) + half;
+                    let at = 2 * ((r / 2) * o_tiles + n) + r % 2;
                     o_acc[at] = o_acc[at] * alpha_pair;
                 }
             }
@@ -453,4 +440,23 @@ const RESCALE_SLACK: f32 = 8.0;
 #[cube]
 fn reference(row_max: f32, exponent_scale: f32) -> f32 {
     select(row_max == f32::new(MASKED), 0.0, row_max * exponent_scale)
+}
+
+/// The maximum over the block of the lane's row `r` (`2 · tile + half`), shared by the four
+/// lanes of the row.
+#[cube]
+fn block_row_max(
+    s_acc: &Array<Pair<f32>>,
+    #[comptime] r: usize,
+    #[comptime] s_tiles: usize,
+) -> f32 {
+    let t = comptime!(r / 2);
+    let half = comptime!(r % 2);
+    let mut m = f32::new(MASKED);
+    #[unroll]
+    for n in 0..s_tiles {
+        let pair = s_acc[2 * (t * s_tiles + n) + half];
+        m = max(m, max(pair.extract(0usize), pair.extract(1usize)));
+    }
+    row_reduce_max(m, LANES_PER_ROW)
 }
