@@ -1,14 +1,16 @@
 //! Fused-op benchmark: our kernels against Burn's `module::attention` and materialized
 //! attention, in one process, forward, backward and forward+backward, over a grid of
 //! problems. FLOPs as FlashAttention's benchmark: forward 4·b·h·s²·d (halved when causal),
-//! backward 2.5× forward. Median time over repeated runs after a warm-up, device synced
-//! around each. The backward time is the forward+backward median minus the forward median
-//! (Burn's autodiff graph is consumed by `backward`, so the backward cannot be rerun alone).
+//! backward 2.5× forward. The backward time is the forward+backward time minus the forward
+//! time (Burn's autodiff graph is consumed by `backward`, so the backward cannot be rerun
+//! alone).
 //!
-//! `back_to_back_ms` is the time per call when calls run back to back and the device is
-//! synced once after them: the synced median minus it is what one host-device round trip
-//! costs a call, and on a tiny problem it shows the fixed cost of a call (host work, launch)
-//! that the FLOP rate of short sequences pays.
+//! Timing, after a warm-up: `ms` is the median over batches of calls queued back to back
+//! (the device synced once per batch) of the time per call, as `triton.testing.do_bench`
+//! (which PyTorch's numbers in `benches/torch_sdpa.py` use) times calls queued without a
+//! host sync between them. `synced_ms` is the median of single calls each followed by a
+//! device sync: it adds one host-device round trip per call, and on a tiny problem it
+//! shows the fixed cost of a call (host work, launch).
 //!
 //! Memory per call, from CubeCL's memory report: `held_extra_mib`, what the outputs hold
 //! after the call; `peak_extra_mib`, how far the device memory reserved by the call grew
@@ -83,7 +85,7 @@ struct Record {
     tflops: f64,
     peak_extra_mib: Option<f64>,
     held_extra_mib: Option<f64>,
-    back_to_back_ms: Option<f64>,
+    synced_ms: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -133,13 +135,14 @@ fn memory(client: &Option<cubecl::client::Client>) -> Option<(u64, u64)> {
     })
 }
 
-/// One measured point: median seconds, and the memory of one call (see the module docs).
+/// One measured point: median seconds per call, and the memory of one call (see the
+/// module docs).
 struct Measure {
     seconds: f64,
     held_extra_mib: Option<f64>,
     peak_extra_mib: Option<f64>,
-    /// Seconds per call with calls back to back, one sync after them.
-    back_to_back: Option<f64>,
+    /// Median seconds of single calls, each followed by a device sync.
+    synced: Option<f64>,
 }
 
 fn mib(bytes: i64) -> f64 {
@@ -172,27 +175,39 @@ fn measure(
         _ => (None, None),
     };
     drop(out);
-    let mut times = Vec::new();
+    let median = |mut times: Vec<f64>| {
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    };
+    // Single synced calls: at least 3, for about a third of the time (at most 20).
+    let mut synced = Vec::new();
     let start = Instant::now();
-    while times.len() < 3 || (start.elapsed().as_secs_f64() < seconds && times.len() < 50) {
+    while synced.len() < 3 || (start.elapsed().as_secs_f64() < seconds / 3.0 && synced.len() < 20) {
         let t = Instant::now();
         let out = f();
         dev.sync().unwrap();
-        times.push(t.elapsed().as_secs_f64());
+        synced.push(t.elapsed().as_secs_f64());
         drop(out);
     }
-    times.sort_by(f64::total_cmp);
-    let calls = times.len().clamp(3, 20);
+    // Batches of calls back to back, sized from the synced time to last ~`seconds / 10` each
+    // (2 to 50 calls), at least 5 batches.
+    let synced = median(synced);
+    let calls = ((seconds / 10.0 / synced) as usize).clamp(2, 50);
+    let mut batches = Vec::new();
     let start = Instant::now();
-    for _ in 0..calls {
-        drop(f());
+    while batches.len() < 5 || (start.elapsed().as_secs_f64() < seconds && batches.len() < 20) {
+        let t = Instant::now();
+        for _ in 0..calls {
+            drop(f());
+        }
+        dev.sync().unwrap();
+        batches.push(t.elapsed().as_secs_f64() / calls as f64);
     }
-    dev.sync().unwrap();
     Measure {
-        seconds: times[times.len() / 2],
+        seconds: median(batches),
         held_extra_mib,
         peak_extra_mib,
-        back_to_back: Some(start.elapsed().as_secs_f64() / calls as f64),
+        synced: Some(synced),
     }
 }
 
@@ -279,7 +294,7 @@ fn main() {
                     seconds: (fb.seconds - f.seconds).max(f64::MIN_POSITIVE),
                     held_extra_mib: None,
                     peak_extra_mib: None,
-                    back_to_back: None,
+                    synced: None,
                 }),
                 _ => None,
             };
@@ -304,17 +319,16 @@ fn main() {
                     tflops: factor * flops / m.seconds / 1e12,
                     peak_extra_mib: m.peak_extra_mib,
                     held_extra_mib: m.held_extra_mib,
-                    back_to_back_ms: m.back_to_back.map(|t| t * 1e3),
+                    synced_ms: m.synced.map(|t| t * 1e3),
                 };
                 eprintln!(
-                    "[{}/{total}] {dt} b{b} h{h}/{h_kv} s{s} d{d} causal={causal} {imp:>12} {pass:>7}: {:9.3} ms {:7.1} TFLOP/s  peak {}  back to back {}",
+                    "[{}/{total}] {dt} b{b} h{h}/{h_kv} s{s} d{d} causal={causal} {imp:>12} {pass:>7}: {:9.3} ms {:7.1} TFLOP/s  peak {}  synced {}",
                     n + 1,
                     rec.ms,
                     rec.tflops,
                     rec.peak_extra_mib
                         .map_or("-".into(), |m| format!("{m:.0} MiB")),
-                    rec.back_to_back_ms
-                        .map_or("-".into(), |t| format!("{t:.3} ms"))
+                    rec.synced_ms.map_or("-".into(), |t| format!("{t:.3} ms"))
                 );
                 records.push(serde_json::to_value(rec).unwrap());
             }
