@@ -18,7 +18,7 @@
 //! Accumulator tiles are stored in flat arrays, two pairs per 16×8 tile: pair `2·tile` is row
 //! `g`, pair `2·tile + 1` row `g + 8`.
 
-use cubecl::cmma::MmaDefinition;
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
 use crate::config::FRAGMENT;
@@ -42,9 +42,11 @@ pub fn load_a<F: Float>(
     tile: &Shared<[F]>,
     offset: usize,
     #[comptime] ld: usize,
+    #[comptime] address: LoadAddress,
 ) -> Array<Pair<F>> {
     let lane = UNIT_POS_PLANE as usize;
-    ldmatrix_x4(tile, offset + (lane % 16) * ld + (lane / 16) * ROW, false)
+    let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
+    ldmatrix_x4(tile, start, MatrixIdent::A, false, address)
 }
 
 /// The B fragments of two neighbouring 8-column tiles of `Xᵀ`, for the 16×16 block of `X`
@@ -56,12 +58,13 @@ pub fn load_b_transposed<F: Float>(
     tile: &Shared<[F]>,
     offset: usize,
     #[comptime] ld: usize,
+    #[comptime] address: LoadAddress,
 ) -> Array<Pair<F>> {
     let lane = UNIT_POS_PLANE as usize;
     // Matrix `lane / 8`: rows 0–7 or 8–15 (bit 1), columns 0–7 or 8–15 (bit 0).
     let matrix = lane / ROW;
     let start = offset + (lane % ROW + (matrix / 2) * ROW) * ld + (matrix % 2) * ROW;
-    ldmatrix_x4(tile, start, false)
+    ldmatrix_x4(tile, start, MatrixIdent::B, false, address)
 }
 
 /// The B fragments of two neighbouring 8-column tiles of the 16×16 block of `X` at `offset`
@@ -72,38 +75,63 @@ pub fn load_b<F: Float>(
     tile: &Shared<[F]>,
     offset: usize,
     #[comptime] ld: usize,
+    #[comptime] address: LoadAddress,
 ) -> Array<Pair<F>> {
     let lane = UNIT_POS_PLANE as usize;
-    ldmatrix_x4(tile, offset + (lane % 16) * ld + (lane / 16) * ROW, true)
+    let start = offset + (lane % 16) * ld + (lane / 16) * ROW;
+    ldmatrix_x4(tile, start, MatrixIdent::B, true, address)
 }
 
-/// `ldmatrix.x4` (`.trans` if `transpose`): the lane passes the address of its 16-byte row,
-/// element `start` of `tile`. The address is the tile's shared-memory window address plus a
-/// 32-bit byte offset, so that `ptxas` folds the constant part of every offset into the
-/// instruction instead of converting a generic pointer per load.
+/// How `ldmatrix` is given the address of the lane's row. Both forms load the same
+/// fragments; which runs faster depends on the kernel, through the schedule `ptxas` builds
+/// around the loads (measured on the H200: the forward and dK/dV kernels gain with
+/// `Window`, the dQ kernel runs 1–4% faster with `Generic`; docs/benchmarks.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LoadAddress {
+    /// The tile's `.shared` window address, computed once, plus a 32-bit byte offset:
+    /// `ptxas` folds the constant part of each offset into the instruction.
+    Window,
+    /// A generic pointer to the row, converted to a shared address per load (CubeCL's
+    /// `MmaDefinition::load_matrix`).
+    Generic,
+}
+
+/// `ldmatrix.x4` (`.trans` if `transpose`) of the lane's 16-byte row at element `start` of
+/// `tile`, addressed as `address` says.
 #[cube]
 fn ldmatrix_x4<F: Float>(
     tile: &Shared<[F]>,
     start: usize,
+    #[comptime] ident: MatrixIdent,
     #[comptime] transpose: bool,
+    #[comptime] address: LoadAddress,
 ) -> Array<Pair<F>> {
-    let address = shared_address(tile) + u32::cast_from(start * F::size());
-    let rows: Vector<u32, Const<4>>;
-    if comptime!(transpose) {
-        gpu_asm!(
-            "ldmatrix.sync.aligned.m8n8.x4.trans.shared::cta.b16 {rows}, [{address}];",
-            rows = out(_) rows, address = in(_) address,
+    let mut fragment = Array::<Pair<F>>::new(4usize);
+    if comptime!(address == LoadAddress::Generic) {
+        fragment = definition::<F>().load_matrix::<F, Const<2>>(
+            &tile[start..start + ROW],
+            ident,
+            4usize,
+            transpose,
         );
     } else {
-        gpu_asm!(
-            "ldmatrix.sync.aligned.m8n8.x4.shared::cta.b16 {rows}, [{address}];",
-            rows = out(_) rows, address = in(_) address,
-        );
-    }
-    let mut fragment = Array::<Pair<F>>::new(4usize);
-    #[unroll]
-    for i in 0..4usize {
-        fragment[i] = Pair::<F>::reinterpret(rows.extract(i));
+        let row = shared_address(tile) + u32::cast_from(start * F::size());
+        let rows: Vector<u32, Const<4>>;
+        if comptime!(transpose) {
+            gpu_asm!(
+                "ldmatrix.sync.aligned.m8n8.x4.trans.shared::cta.b16 {rows}, [{row}];",
+                rows = out(_) rows, row = in(_) row,
+            );
+        } else {
+            gpu_asm!(
+                "ldmatrix.sync.aligned.m8n8.x4.shared::cta.b16 {rows}, [{row}];",
+                rows = out(_) rows, row = in(_) row,
+            );
+        }
+        #[unroll]
+        for i in 0..4usize {
+            fragment[i] = Pair::<F>::reinterpret(rows.extract(i));
+        }
     }
     fragment
 }

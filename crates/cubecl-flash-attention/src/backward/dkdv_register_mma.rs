@@ -21,7 +21,8 @@ use cubecl::prelude::*;
 use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma, store_row, zeros,
+    LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
+    store_row, zeros,
 };
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{stage_rows_async, stage_vectors_async};
@@ -30,6 +31,8 @@ use crate::tile::{stage_rows_async, stage_vectors_async};
 const LANES_PER_ROW: usize = 4;
 /// Columns of one accumulator tile.
 const TILE_COLS: usize = 8;
+/// How the kernel's `ldmatrix` loads are addressed (see [`LoadAddress`]).
+const LOADS: LoadAddress = LoadAddress::Window;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -261,13 +264,14 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         }
         #[unroll]
         for kk in 0..comptime!(dqk / FRAGMENT) {
-            let kf = load_a(&k_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld);
+            let kf = load_a(&k_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld, LOADS);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
                 let qf = load_b_transposed(
                     &q_tile,
                     q_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
                     qk_ld,
+                    LOADS,
                 );
                 mma(&kf, 0, &qf, 0, &mut s_acc, 2 * n);
                 mma(&kf, 0, &qf, 2, &mut s_acc, 2 * n + 1);
@@ -275,13 +279,14 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         }
         #[unroll]
         for kk in 0..comptime!(if with_dk { dvp / FRAGMENT } else { 0 }) {
-            let vf = load_a(&v_tile, plane_row * v_ld + kk * FRAGMENT, v_ld);
+            let vf = load_a(&v_tile, plane_row * v_ld + kk * FRAGMENT, v_ld, LOADS);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
                 let of = load_b_transposed(
                     &do_tile,
                     do_base + n * FRAGMENT * v_ld + kk * FRAGMENT,
                     v_ld,
+                    LOADS,
                 );
                 mma(&vf, 0, &of, 0, &mut dp_acc, 2 * n);
                 mma(&vf, 0, &of, 2, &mut dp_acc, 2 * n + 1);
@@ -351,6 +356,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     &do_tile,
                     do_base + kk * FRAGMENT * v_ld + n * FRAGMENT,
                     v_ld,
+                    LOADS,
                 );
                 mma(&pf, 0, &of, 0, &mut dv_acc, 2 * n);
                 mma(&pf, 0, &of, 2, &mut dv_acc, 2 * n + 1);
@@ -363,6 +369,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                         &q_tile,
                         q_base + kk * FRAGMENT * qk_ld + n * FRAGMENT,
                         qk_ld,
+                        LOADS,
                     );
                     mma(&dsf, 0, &qf, 0, &mut dk_acc, 2 * n);
                     mma(&dsf, 0, &qf, 2, &mut dk_acc, 2 * n + 1);

@@ -19,7 +19,8 @@ use cubecl::prelude::*;
 use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma, store_row, zeros,
+    LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
+    store_row, zeros,
 };
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{Head, last_first, row_offset, stage_rows_async};
@@ -28,6 +29,9 @@ use crate::tile::{Head, last_first, row_offset, stage_rows_async};
 const LANES_PER_ROW: usize = 4;
 /// Columns of one accumulator tile.
 const TILE_COLS: usize = 8;
+/// How the kernel's `ldmatrix` loads are addressed: this kernel runs faster with generic
+/// pointers (see [`LoadAddress`]).
+const LOADS: LoadAddress = LoadAddress::Generic;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -212,13 +216,14 @@ pub fn flash_backward_dq_mma<F: Float>(
         }
         #[unroll]
         for kk in 0..comptime!(dqk / FRAGMENT) {
-            let qf = load_a(&q_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld);
+            let qf = load_a(&q_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld, LOADS);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
                 let kf = load_b_transposed(
                     &k_tile,
                     k_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
                     qk_ld,
+                    LOADS,
                 );
                 mma(&qf, 0, &kf, 0, &mut s_acc, 2 * n);
                 mma(&qf, 0, &kf, 2, &mut s_acc, 2 * n + 1);
@@ -226,11 +231,15 @@ pub fn flash_backward_dq_mma<F: Float>(
         }
         #[unroll]
         for kk in 0..comptime!(dvp / FRAGMENT) {
-            let of = load_a(&do_tile, plane_row * v_ld + kk * FRAGMENT, v_ld);
+            let of = load_a(&do_tile, plane_row * v_ld + kk * FRAGMENT, v_ld, LOADS);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
-                let vf =
-                    load_b_transposed(&v_tile, v_base + n * FRAGMENT * v_ld + kk * FRAGMENT, v_ld);
+                let vf = load_b_transposed(
+                    &v_tile,
+                    v_base + n * FRAGMENT * v_ld + kk * FRAGMENT,
+                    v_ld,
+                    LOADS,
+                );
                 mma(&of, 0, &vf, 0, &mut dp_acc, 2 * n);
                 mma(&of, 0, &vf, 2, &mut dp_acc, 2 * n + 1);
             }
@@ -292,6 +301,7 @@ pub fn flash_backward_dq_mma<F: Float>(
                     &k_tile,
                     k_base + kk * FRAGMENT * qk_ld + n * FRAGMENT,
                     qk_ld,
+                    LOADS,
                 );
                 mma(&dsf, 0, &kf, 0, &mut dq_acc, 2 * n);
                 mma(&dsf, 0, &kf, 2, &mut dq_acc, 2 * n + 1);

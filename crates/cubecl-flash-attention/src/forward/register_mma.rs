@@ -20,7 +20,8 @@ use cubecl::prelude::*;
 use crate::config::{FRAGMENT, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma, zeros,
+    LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
+    zeros,
 };
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
 use crate::tile::{Head, last_first, stage_rows_async};
@@ -29,6 +30,8 @@ use crate::tile::{Head, last_first, stage_rows_async};
 const LANES_PER_ROW: usize = 4;
 /// Columns of one accumulator tile.
 const TILE_COLS: usize = 8;
+/// How the kernel's `ldmatrix` loads are addressed (see [`LoadAddress`]).
+const LOADS: LoadAddress = LoadAddress::Window;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -185,6 +188,7 @@ pub fn flash_forward_mma<F: Float>(
                         &q_tile,
                         (plane_row + t * FRAGMENT) * qk_ld + kk * FRAGMENT,
                         qk_ld,
+                        LOADS,
                     );
                     #[unroll]
                     for i in 0..4usize {
@@ -230,6 +234,7 @@ pub fn flash_forward_mma<F: Float>(
                         &q_tile,
                         (plane_row + t * FRAGMENT) * qk_ld + kk * FRAGMENT,
                         qk_ld,
+                        LOADS,
                     );
                     #[unroll]
                     for i in 0..4usize {
@@ -243,6 +248,7 @@ pub fn flash_forward_mma<F: Float>(
                     &k_tile,
                     k_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
                     qk_ld,
+                    LOADS,
                 );
                 #[unroll]
                 for t in 0..m_tiles {
@@ -384,7 +390,12 @@ pub fn flash_forward_mma<F: Float>(
             }
             #[unroll]
             for n in 0..comptime!(o_tiles / 2) {
-                let vf = load_b(&v_tile, v_base + kk * FRAGMENT * v_ld + n * FRAGMENT, v_ld);
+                let vf = load_b(
+                    &v_tile,
+                    v_base + kk * FRAGMENT * v_ld + n * FRAGMENT,
+                    v_ld,
+                    LOADS,
+                );
                 #[unroll]
                 for t in 0..m_tiles {
                     mma(&p, t * 4, &vf, 0, &mut o_acc, t * o_tiles + 2 * n);
