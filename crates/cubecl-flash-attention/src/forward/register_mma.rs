@@ -265,10 +265,10 @@ pub fn flash_forward_mma<F: Float>(
 
         // 2. Online softmax on the registers, hidden scores marked only in the blocks that
         // straddle the mask's edge or a sequence end. Without a softcap the scores stay
-        // unscaled (the launcher guarantees a positive scale): maxima are taken on them and
-        // the scale is applied inside the exponent, `2^(s·scale_log2 − m·scale_log2)`, one
-        // multiply-add per score (see `MIN_FOLDED_SCALE`). A softcap is applied here, in
-        // base 2.
+        // unscaled (the tile heuristic refuses scales that are not positive): maxima are
+        // taken on them and the scale is applied inside the exponent,
+        // `2^(s·scale_log2 − m·scale_log2)`, one multiply-add per score (see
+        // `MIN_FOLDED_SCALE`). A softcap is applied here, in base 2.
         if comptime!(config.softcap) {
             #[unroll]
             for i in 0..comptime!(2 * m_tiles * s_tiles) {
