@@ -220,18 +220,22 @@ fn strided_bshd_inputs_are_read_in_place() {
     }
 }
 
+/// The dtype of the `Auto` tests: half precision where the device has it (the
+/// register-level path's dtypes); f32 on the CPU test device, where half precision is slow.
+fn auto_test_dtype(client: &Client) -> FloatDtype {
+    match common::is_cpu_device() {
+        true => FloatDtype::F32,
+        false => *common::dtypes(client).last().unwrap(),
+    }
+}
+
 /// Inputs whose rows are not 16-byte aligned, the incoming gradient included: `Auto` runs
 /// them (on CUDA the register-level forward and backward step down to the `cmma` kernels)
 /// and the results match the oracle.
 #[test]
 fn misaligned_rows_step_down_and_stay_correct() {
     let client = common::client();
-    // Half precision where the device has it (the register-level path's dtypes); f32 on
-    // the CPU test device, where half precision is slow.
-    let dtype = match common::is_cpu_device() {
-        true => FloatDtype::F32,
-        false => *common::dtypes(&client).last().unwrap(),
-    };
+    let dtype = auto_test_dtype(&client);
     for case in common::catalogue()
         .iter()
         .filter(|c| !c.is_long() && c.runs_on_this_device())
@@ -249,10 +253,7 @@ fn misaligned_rows_step_down_and_stay_correct() {
 #[test]
 fn every_scale_sign_runs_under_auto() {
     let client = common::client();
-    let dtype = match common::is_cpu_device() {
-        true => FloatDtype::F32,
-        false => *common::dtypes(&client).last().unwrap(),
-    };
+    let dtype = auto_test_dtype(&client);
     let base = common::catalogue()
         .into_iter()
         .find(|c| c.causal && c.dims.seq_q > c.dims.seq_kv && c.dims.dim_qk == 64)
