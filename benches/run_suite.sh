@@ -16,7 +16,8 @@ mkdir -p "$out"
 here="$(cd "$(dirname "$0")" && pwd)"
 export BENCH_DATE="${BENCH_DATE:-$(date -u +%F)}"
 BENCH_DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null || true)"
-export BENCH_DRIVER   # BENCH_COMMIT: set by the caller (the GPU machine may have no git)
+BENCH_CARD="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)"
+export BENCH_DRIVER BENCH_CARD   # BENCH_COMMIT: set by the caller (the GPU machine may have no git)
 
 grid=(--seqs 512,1024,2048,4096,8192,16384 --dims 64,128 --causal false,true --tokens 16384)
 extra=(--seqs 1024,4096,16384 --tokens 16384 --causal false,true)

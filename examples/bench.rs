@@ -45,7 +45,8 @@ struct Args {
     /// Dtypes: bf16, f16, f32.
     #[arg(long, value_delimiter = ',', default_values = ["bf16"])]
     dtypes: Vec<String>,
-    /// Implementations: ours, burn, materialized.
+    /// Implementations: ours, ours-deterministic (the backward without atomics), burn,
+    /// materialized.
     #[arg(long, value_delimiter = ',', default_values = ["ours", "burn", "materialized"])]
     impls: Vec<String>,
     /// Passes: fwd, bwd, fwd_bwd.
@@ -215,9 +216,12 @@ fn main() {
     let args = Args::parse();
     let (dev, client) = device(&args.device);
     let mut records: Vec<serde_json::Value> = Vec::new();
-    let card = client
-        .as_ref()
-        .map(|c| c.name().to_string())
+    // CubeCL names the runtime, not the card: the card's name comes from the
+    // caller (e.g. `nvidia-smi --query-gpu=name`) when it is known.
+    let card = std::env::var("BENCH_CARD")
+        .ok()
+        .filter(|name| !name.is_empty())
+        .or_else(|| client.as_ref().map(|c| c.name().to_string()))
         .unwrap_or_else(|| args.device.clone());
     records.push(
         serde_json::to_value(Header {
@@ -250,20 +254,23 @@ fn main() {
         let (q, k, v) = (make(h), make(h_kv), make(h_kv));
         let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
         for imp in &args.impls {
-            if imp != "ours" && h_kv != h {
+            let ours = imp.starts_with("ours");
+            if !ours && h_kv != h {
                 continue; // Burn's attention has no GQA
             }
             if imp == "materialized" && s > args.materialized_max_seq {
                 continue;
             }
-            let opts = FlashAttentionOptions::default().with_causal(causal);
+            let opts = FlashAttentionOptions::default()
+                .with_causal(causal)
+                .with_deterministic(imp == "ours-deterministic");
             let burn_opts = AttentionModuleOptions {
                 scale: None,
                 softcap: None,
                 is_causal: causal,
             };
             let forward = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>| match imp.as_str() {
-                "ours" => flash_attention(q, k, v, opts),
+                _ if ours => flash_attention(q, k, v, opts),
                 "burn" => attention(q, k, v, None, None, burn_opts),
                 _ => attention_fallback(q, k, v, None, None, burn_opts),
             };

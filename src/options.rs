@@ -22,9 +22,10 @@ pub struct FlashAttentionOptions {
     pub window_right: Option<usize>,
     /// `cap · tanh(s / cap)` applied to the scaled scores before masking.
     pub softcap: Option<f32>,
-    /// Request a backward pass whose gradients are bitwise identical from run to run. The
-    /// current kernels accumulate without atomics and always are; the flag is kept so that
-    /// faster, non-deterministic backward kernels can be opted out of.
+    /// Request a backward pass whose gradients are bitwise identical from run to run. By
+    /// default the register-level (CUDA sm_80+) backward adds `dQ` up with f32 atomics, whose
+    /// order varies; with this flag it computes `dQ` in a pass of its own instead (7 matrix
+    /// products per block pair instead of 5). The other paths never use atomics.
     pub deterministic: bool,
 }
 
@@ -67,6 +68,7 @@ impl FlashAttentionOptions {
             scale: self.scale,
             mask: self.mask(),
             softcap: self.softcap,
+            deterministic: self.deterministic,
         }
     }
 }

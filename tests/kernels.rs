@@ -197,6 +197,33 @@ fn forward_and_backward_match_the_oracle() {
     }
 }
 
+/// The register-level path's deterministic backward (dQ in its own pass instead of by
+/// atomics, which the default takes) against the oracle, every catalogue problem it runs.
+#[test]
+fn deterministic_backward_matches_the_oracle() {
+    let client = common::client();
+    let dtype = auto_test_dtype(&client);
+    if !common::paths(&client, dtype).contains(&KernelPath::RegisterMma) {
+        eprintln!(
+            "no register-level path on this device: its backward is the only one with atomics"
+        );
+        return;
+    }
+    for case in common::selected_cases() {
+        let case = Case {
+            deterministic: true,
+            ..case
+        };
+        check_case(
+            &client,
+            &case,
+            dtype,
+            Layout::Contiguous,
+            KernelPath::RegisterMma,
+        );
+    }
+}
+
 #[test]
 fn strided_bshd_inputs_are_read_in_place() {
     let client = common::client();
@@ -281,7 +308,10 @@ fn backward_is_bitwise_deterministic() {
 }
 
 fn check_deterministic(client: &Client, dtype: FloatDtype, path: KernelPath) {
-    let case = common::catalogue()[8]; // GQA 8/2, causal window, d_v ≠ d_qk
+    let case = Case {
+        deterministic: true,
+        ..common::catalogue()[8] // GQA 8/2, causal window, d_v ≠ d_qk
+    };
     let (seed, mut rng) = common::rng();
     let x = inputs(&case, dtype, &mut rng);
     let (qs, ks, vs, os) = shapes(&case);

@@ -244,6 +244,9 @@ pub struct Case {
     pub window: (Option<usize>, Option<usize>),
     pub softcap: Option<f64>,
     pub scale: Option<f64>,
+    /// Ask for a bitwise-deterministic backward (on CUDA sm_80+: dQ in its own pass instead
+    /// of by atomics).
+    pub deterministic: bool,
 }
 
 const fn dims(
@@ -273,6 +276,7 @@ const fn case(dims: Dims) -> Case {
         window: (None, None),
         softcap: None,
         scale: None,
+        deterministic: false,
     }
 }
 
@@ -353,6 +357,7 @@ impl Case {
             scale: self.scale.map(|s| s as f32),
             mask: self.mask(),
             softcap: self.softcap.map(|c| c as f32),
+            deterministic: self.deterministic,
         }
     }
 

@@ -42,6 +42,9 @@ pub struct DeviceLimits {
     /// bf16 inputs, and asynchronous global→shared copies (CUDA sm_80+).
     pub mma_sync_f16: bool,
     pub mma_sync_bf16: bool,
+    /// Atomic addition of two neighbouring f32 values in one instruction
+    /// (`red.global.add.v2.f32`, CUDA sm_90+).
+    pub paired_f32_atomics: bool,
 }
 
 impl DeviceLimits {
@@ -59,6 +62,11 @@ impl DeviceLimits {
             cmma_bf16: has_cmma(props, FloatDtype::BF16),
             mma_sync_f16: has_mma_sync(props, FloatDtype::F16),
             mma_sync_bf16: has_mma_sync(props, FloatDtype::BF16),
+            paired_f32_atomics: props
+                .atomic_type_usage(cubecl::ir::Type::atomic(
+                    cubecl::ir::Type::new(FloatDtype::F32.elem_type()).with_vector_size(2),
+                ))
+                .contains(cubecl::ir::features::AtomicUsage::Add),
         }
     }
 
@@ -431,6 +439,23 @@ pub struct RegisterBackwardConfig {
     /// dK and dV in two launches of the dK/dV kernel ([`KeyGradients`]), for head dims whose
     /// two accumulators do not fit registers together.
     pub split: bool,
+    /// The dK/dV kernel also accumulates `dQ`, adding each block pair's `dS·K` to an f32
+    /// buffer with atomics: five matrix products per block pair instead of seven (the dQ
+    /// kernel recomputes `S` and `dP`), at the price of bitwise determinism.
+    pub atomic_dq: bool,
+    /// Those atomics add two neighbouring values per instruction
+    /// ([`DeviceLimits::paired_f32_atomics`]).
+    pub paired_atomics: bool,
+}
+
+/// How the dK/dV kernel with [`RegisterBackwardConfig::atomic_dq`] shares a query block's
+/// `dQ` (`block_stream × d_qk`, summed over the cube's keys) among its planes: plane `p`
+/// computes the 16 queries of group `p % groups` and the `width` columns of part
+/// `p / groups`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DqSplit {
+    pub groups: usize,
+    pub width: usize,
 }
 
 /// The gradients one launch of the register-level dK/dV kernel accumulates.
@@ -461,7 +486,27 @@ impl RegisterBackwardConfig {
     pub fn shared_bytes(&self, elem: usize) -> usize {
         let row = RegisterMmaConfig::stride(self.dim_qk_padded())
             + RegisterMmaConfig::stride(self.dim_v_padded());
-        elem * row * (self.block_rows() + 2 * self.block_stream)
+        let scores = if self.atomic_dq {
+            self.block_rows() * RegisterMmaConfig::stride(self.block_stream)
+        } else {
+            0
+        };
+        elem * (row * (self.block_rows() + 2 * self.block_stream) + scores)
+    }
+    /// The planes' shares of `dQ` under [`Self::atomic_dq`]; `None` where they cannot be
+    /// equal (the planes not a multiple of the query groups, or the head dim's 16-column
+    /// fragments not a multiple of the parts).
+    pub fn dq_split(&self) -> Option<DqSplit> {
+        let groups = self.block_stream / FRAGMENT;
+        if groups == 0 || self.planes % groups != 0 {
+            return None;
+        }
+        let parts = self.planes / groups;
+        let fragments = self.dim_qk_padded() / FRAGMENT;
+        (fragments % parts == 0).then_some(DqSplit {
+            groups,
+            width: fragments / parts * FRAGMENT,
+        })
     }
     /// The launches of the dK/dV kernel.
     pub fn key_gradients(&self) -> &'static [KeyGradients] {
@@ -472,12 +517,18 @@ impl RegisterBackwardConfig {
         }
     }
     /// f32 registers of one unit's accumulators in the dK/dV kernel, the largest of the
-    /// kernels: dK and/or dV of the plane's 16 keys, and `Sᵀ`, `dPᵀ` of a query block (the
-    /// dQ kernel holds dQ, `S` and `dP`: never more).
+    /// kernels: dK and/or dV of the plane's 16 keys, and `Sᵀ`, `dPᵀ` of a query block or,
+    /// once those are spent, the plane's share of `dQ` (the dQ kernel holds dQ, `S` and
+    /// `dP`: never more).
     pub fn accumulator_registers(&self) -> usize {
         let (dk, dv) = (self.dim_qk_padded() / 2, self.dim_v_padded() / 2);
         let scores = self.block_stream / 2;
-        if self.split {
+        if self.atomic_dq {
+            let dq = self
+                .dq_split()
+                .map_or(usize::MAX / 4, |split| split.width / 2);
+            dk + dv + (2 * scores).max(dq)
+        } else if self.split {
             (dk + 2 * scores).max(dv + scores)
         } else {
             dk + dv + 2 * scores
@@ -485,10 +536,13 @@ impl RegisterBackwardConfig {
     }
 }
 
-/// Picks the register-level backward tiles for `problem`: 4 planes of 16 rows, and the
-/// largest streamed block (64, 32 or 16 rows) whose accumulators fit the register budget and
-/// whose stages fit shared memory; dK and dV in one launch where they fit, else in two
-/// (then 8 planes and 32-row blocks where they fit).
+/// Picks the register-level backward tiles for `problem`. Unless the options ask for a
+/// deterministic backward, first dQ by atomics in the dK/dV kernel: 8 planes (128 keys, as
+/// FA2, halving the atomics per key of 64-key cubes) and 64-query blocks, where they fit.
+/// Otherwise the dQ pass and 4 planes of 16 rows, with the largest streamed block (64, 32 or
+/// 16 rows) whose accumulators fit the register budget and whose stages fit shared memory;
+/// dK and dV in one launch where they fit, else in two (then 8 planes and 32-row blocks
+/// where they fit).
 pub fn choose_register_backward_tiles(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
@@ -499,35 +553,42 @@ pub fn choose_register_backward_tiles(
     // Split launches hold half the accumulators: 8 planes of 32-row blocks ran 22% faster
     // than 4 of 64 at d256 on the H200 (docs/benchmarks.md).
     let wide = 8.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
-    [
-        (false, planes, 64),
-        (false, planes, 32),
-        (false, planes, 16),
-        (true, wide, 32),
-        (true, planes, 32),
-        (true, planes, 16),
-    ]
-    .into_iter()
-    .map(|(split, planes, block_stream)| RegisterBackwardConfig {
-        planes,
-        block_stream,
-        dim_qk: problem.dim_qk,
-        dim_v: problem.dim_v,
-        masked: problem.options.mask.is_masked(),
-        softcap: problem.options.softcap.is_some(),
-        split,
-    })
-    .find(|c| {
-        c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET
-            && c.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory
-    })
-    .ok_or_else(|| {
-        FlashError::InvalidConfig(format!(
-            "head dims {}/{}: dK or dV of 16 keys does not fit the register-level backward's \
+    let atomic = (!problem.options.deterministic).then_some((true, false, wide, 64));
+    atomic
+        .into_iter()
+        .chain([
+            (false, false, planes, 64),
+            (false, false, planes, 32),
+            (false, false, planes, 16),
+            (false, true, wide, 32),
+            (false, true, planes, 32),
+            (false, true, planes, 16),
+        ])
+        .map(
+            |(atomic_dq, split, planes, block_stream)| RegisterBackwardConfig {
+                planes,
+                block_stream,
+                dim_qk: problem.dim_qk,
+                dim_v: problem.dim_v,
+                masked: problem.options.mask.is_masked(),
+                softcap: problem.options.softcap.is_some(),
+                split,
+                atomic_dq,
+                paired_atomics: limits.paired_f32_atomics,
+            },
+        )
+        .find(|c| {
+            (!c.atomic_dq || c.dq_split().is_some())
+                && c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET
+                && c.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory
+        })
+        .ok_or_else(|| {
+            FlashError::InvalidConfig(format!(
+                "head dims {}/{}: dK or dV of 16 keys does not fit the register-level backward's \
                  {MMA_SYNC_REGISTER_BUDGET}-register budget and {} bytes of shared memory",
-            problem.dim_qk, problem.dim_v, limits.max_shared_memory
-        ))
-    })
+                problem.dim_qk, problem.dim_v, limits.max_shared_memory
+            ))
+        })
 }
 
 /// Applies the tuning override in environment variable `var` (comma-separated numbers) to
@@ -607,6 +668,7 @@ mod tests {
         cmma_bf16: true,
         mma_sync_f16: true,
         mma_sync_bf16: true,
+        paired_f32_atomics: true,
     };
     const AMD: DeviceLimits = DeviceLimits {
         max_shared_memory: 65_536,
@@ -617,6 +679,7 @@ mod tests {
         cmma_bf16: true,
         mma_sync_f16: false,
         mma_sync_bf16: false,
+        paired_f32_atomics: false,
     };
     const WEBGPU: DeviceLimits = DeviceLimits {
         max_shared_memory: 16_384,
@@ -627,6 +690,7 @@ mod tests {
         cmma_bf16: false,
         mma_sync_f16: false,
         mma_sync_bf16: false,
+        paired_f32_atomics: false,
     };
 
     #[test]
@@ -785,15 +849,36 @@ mod tests {
     #[test]
     fn register_backward_tiles_fit_registers_and_shared_memory() {
         for d in [40, 64, 96, 128] {
-            let c = choose_register_backward_tiles(&problem(d, d), &NVIDIA).unwrap();
+            let mut p = problem(d, d);
+            p.options.deterministic = true;
+            let c = choose_register_backward_tiles(&p, &NVIDIA).unwrap();
             assert!(
                 c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET,
                 "d={d}"
             );
             assert!(c.shared_bytes(2) <= NVIDIA.max_shared_memory, "d={d}");
-            assert_eq!((c.block_stream, c.split), (64, false), "d={d}");
+            assert_eq!(
+                (c.block_stream, c.split, c.atomic_dq),
+                (64, false, false),
+                "d={d}"
+            );
             assert_eq!(c.block_rows(), 4 * FRAGMENT);
         }
+        // By default dQ goes by atomics, with 128-key cubes, where the planes share it evenly.
+        for d in [64, 96, 128] {
+            let c = choose_register_backward_tiles(&problem(d, d), &NVIDIA).unwrap();
+            assert!(c.atomic_dq && c.paired_atomics && !c.split, "d={d}");
+            assert_eq!((c.planes, c.block_stream), (8, 64), "d={d}");
+            assert!(c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET);
+            assert!(c.shared_bytes(2) <= NVIDIA.max_shared_memory, "d={d}");
+            let split = c.dq_split().unwrap();
+            let parts = c.planes / split.groups;
+            assert_eq!(split.groups * FRAGMENT, c.block_stream);
+            assert_eq!(parts * split.width, c.dim_qk_padded(), "d={d}");
+        }
+        // d40 pads to three 16-column fragments: two parts cannot share them.
+        let c = choose_register_backward_tiles(&problem(40, 40), &NVIDIA).unwrap();
+        assert!(!c.atomic_dq && c.planes == 4);
         // 16 keys of dK and dV in d256 take 256 registers: two launches.
         let c = choose_register_backward_tiles(&problem(256, 256), &NVIDIA).unwrap();
         assert!(c.split && c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET);

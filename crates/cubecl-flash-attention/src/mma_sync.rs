@@ -82,6 +82,47 @@ pub fn load_b<F: Float>(
     ldmatrix_x4(tile, start, MatrixIdent::B, true, address)
 }
 
+/// The A fragment of the 16×16 block of `Xᵀ`, for the block of `X` at `offset` (row-major,
+/// stride `ld`): columns of `X` are the rows `m` of the product, as the queries of a stored
+/// `dSᵀ` in `dS·K`. Addressed as [`load_b_transposed`], read transposed by `ldmatrix.trans`.
+#[cube]
+pub fn load_a_transposed<F: Float>(
+    tile: &Shared<[F]>,
+    offset: usize,
+    #[comptime] ld: usize,
+    #[comptime] address: LoadAddress,
+) -> Array<Pair<F>> {
+    let lane = UNIT_POS_PLANE as usize;
+    // Matrix `lane / 8` of the fragment (A rows 0–7 or 8–15: bit 0; A columns 0–7 or 8–15:
+    // bit 1) is read from rows 0–7 or 8–15 of X (bit 1) at column 0 or 8 (bit 0).
+    let matrix = lane / ROW;
+    let start = offset + (lane % ROW + (matrix / 2) * ROW) * ld + (matrix % 2) * ROW;
+    ldmatrix_x4(tile, start, MatrixIdent::A, true, address)
+}
+
+/// Writes the lane's pair of row `half` of accumulator tile `n` (see [`store_row`]'s layout),
+/// converted to the input dtype, at row `row0 + g + 8·half`, columns `8n + 2t` of a
+/// row-major shared tile with stride `ld`: one 32-bit store, through the tile's shared
+/// address (as the `ldmatrix` loads that read it back).
+#[cube]
+pub fn store_pair<F: Float>(
+    tile: &Shared<[F]>,
+    acc: &Array<Pair<f32>>,
+    n: usize,
+    half: usize,
+    row0: usize,
+    #[comptime] ld: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let at = (row0 + lane / 4 + 8 * half) * ld + 8 * n + 2 * (lane % 4);
+    let address = shared_address(tile) + u32::cast_from(at * F::size());
+    let bits = u32::reinterpret(Pair::<F>::cast_from(acc[2 * n + half]));
+    gpu_asm!(
+        "st.shared::cta.b32 [{address}], {bits};",
+        address = in(_) address, bits = in(_) bits,
+    );
+}
+
 /// How `ldmatrix` is given the address of the lane's row. Both forms load the same
 /// fragments; which runs faster depends on the kernel, through the schedule `ptxas` builds
 /// around the loads (measured on the H200: the forward and dK/dV kernels gain with

@@ -42,6 +42,10 @@ pub struct AttentionOptions {
     pub mask: MaskSpec,
     /// `cap · tanh(s / cap)` on the scores before masking; must be positive.
     pub softcap: Option<f32>,
+    /// A backward whose gradients are bitwise identical from run to run: no atomics (the
+    /// register-level path then computes dQ in a pass of its own).
+    #[serde(default)]
+    pub deterministic: bool,
 }
 
 /// Sizes of one attention call: Q `[batch, heads_q, seq_q, dim_qk]`,

@@ -22,7 +22,8 @@ use cubecl_cpp::shared::{
 use crate::backward::{
     dkdv_mma_config, dkdv_portable_config, dq_mma_config, dq_portable_config, flash_backward_delta,
     flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dkdv_mma, flash_backward_dq,
-    flash_backward_dq_cmma, flash_backward_dq_mma, register_backward_config,
+    flash_backward_dq_cmma, flash_backward_dq_from_sum, flash_backward_dq_mma,
+    flash_backward_dq_zero, register_backward_config,
 };
 use crate::config::{DeviceLimits, KeyGradients};
 use crate::forward::{
@@ -155,6 +156,14 @@ mod cuda {
             props.features.matmul.stmatrix.insert(ElemType::Float(t));
         }
         props.features.copy_async = true;
+        if version(target) >= 90 {
+            // Paired f32 atomic additions (`red.global.add.v2.f32`), as the runtime registers
+            // them on sm_90 with CUDA ≥ 12.8.
+            props.register_atomic_type_usage(
+                Type::atomic(Type::new(ElemType::Float(FloatKind::F32)).with_vector_size(2)),
+                cubecl::ir::features::AtomicUsage::Add,
+            );
+        }
         register_wmma_features(
             CudaCmmaCompiler::Cpp.supported_cmma_combinations(&arch),
             props,
@@ -292,6 +301,7 @@ pub fn shipped_problems() -> Vec<AttentionProblem> {
             window_right: None,
         },
         softcap: Some(30.0),
+        deterministic: false,
     };
     let mut problems = Vec::new();
     for dtype in [FloatDtype::F32, FloatDtype::F16, FloatDtype::BF16] {
@@ -498,10 +508,22 @@ fn kernels(
             }),
         ));
         // The backward's own kernels where its accumulators fit registers (otherwise it runs
-        // the `cmma` kernels below).
-        if let Ok(c) = register_backward_config(problem, limits) {
+        // the `cmma` kernels below): dQ by atomics in the dK/dV kernel, or in its own pass
+        // for a deterministic backward.
+        for deterministic in [false, true] {
+            let problem = AttentionProblem {
+                options: AttentionOptions {
+                    deterministic,
+                    ..problem.options
+                },
+                ..*problem
+            };
+            let Ok(c) = register_backward_config(&problem, limits) else {
+                continue;
+            };
             for &gradients in c.key_gradients() {
                 let name = match gradients {
+                    KeyGradients::Both if c.atomic_dq => "backward_dkdv_dq_mma",
                     KeyGradients::Both => "backward_dkdv_mma",
                     KeyGradients::Keys => "backward_dk_mma",
                     KeyGradients::Values => "backward_dv_mma",
@@ -521,6 +543,7 @@ fn kernels(
                             tensor(),
                             tensor(),
                             tensor(),
+                            tensor(),
                             (),
                             (),
                             (),
@@ -531,6 +554,32 @@ fn kernels(
                         ),
                     )),
                 ));
+            }
+            if c.atomic_dq {
+                kernels.push((
+                    "backward_dq_zero",
+                    Ok(Box::new(flash_backward_dq_zero::FlashBackwardDqZero::new(
+                        settings(256),
+                        props.clone(),
+                        tprops.clone(),
+                        tensor(),
+                    ))),
+                ));
+                kernels.push((
+                    "backward_dq_from_sum",
+                    Ok(Box::new(
+                        flash_backward_dq_from_sum::FlashBackwardDqFromSum::new(
+                            settings(256),
+                            props.clone(),
+                            tprops.clone(),
+                            tensor(),
+                            tensor(),
+                            (),
+                            elem,
+                        ),
+                    )),
+                ));
+                continue;
             }
             kernels.push((
                 "backward_dq_mma",

@@ -11,9 +11,14 @@
 //! 3. `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, `Pᵀ` and `dSᵀ` converted to the input dtype in
 //!    registers and used as A operands directly (see [`crate::mma_sync`]).
 //!
+//! With [`RegisterBackwardConfig::atomic_dq`], the kernel also adds each block's `dS·K` to
+//! the f32 dQ sum (FA2's five products per block pair; [`super::dq_atomic`]): every plane
+//! writes its rows of `dSᵀ` to shared memory, and after a cube barrier computes its share of
+//! the block's dQ from them and the cube's K rows. Otherwise no atomics (dQ has its own
+//! pass): deterministic.
+//!
 //! For large head dims a launch accumulates dK or dV alone ([`KeyGradients`]), the
-//! launcher running both. The softmax scale multiplies `dK` once, in the epilogue. No
-//! atomics: deterministic.
+//! launcher running both. The softmax scale multiplies `dK` once, in the epilogue.
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -22,10 +27,12 @@ use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaC
 use crate::mask::Mask;
 use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
-    store_row, zeros,
+    store_pair, store_row, zeros,
 };
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{stage_rows_async, stage_vectors_async};
+
+use super::dq_atomic::add_dq_share;
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -45,6 +52,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
+    dq_sum: &mut Tensor<f32>,
     scale: f32,
     softcap: f32,
     window_left: i32,
@@ -55,6 +63,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
 ) {
     let with_dk = comptime!(gradients != KeyGradients::Values);
     let with_dv = comptime!(gradients != KeyGradients::Keys);
+    let with_dq = comptime!(config.atomic_dq && with_dk);
     let block_k = comptime!(config.block_rows());
     let block_q = config.block_stream;
     let units = comptime!(config.units());
@@ -70,6 +79,9 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let do_stage = comptime!(block_q * v_ld);
     // LSE then D of the block's queries.
     let stats_stage = comptime!(2 * block_q);
+    // dSᵀ of the block, for dQ (a token tile without).
+    let ds_ld = comptime!(RegisterMmaConfig::stride(block_q));
+    let ds_len = comptime!(if with_dq { block_k * ds_ld } else { 8 });
 
     // Scores in base 2, as in the forward (whose LSE is natural-log: scaled by log2 e).
     let scale_log2 = scale * LOG2_E;
@@ -95,6 +107,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let mut q_tile = Shared::<[F]>::new_aligned_slice(2 * q_stage, 16usize);
     let mut do_tile = Shared::<[F]>::new_aligned_slice(2 * do_stage, 16usize);
     let mut stats_tile = Shared::<[f32]>::new_aligned_slice(2 * stats_stage, 16usize);
+    let ds_tile = Shared::<[F]>::new_aligned_slice(ds_len, 16usize);
     let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
@@ -345,6 +358,15 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 dp_acc[i] = s_acc[i] * dp_acc[i];
             }
         }
+        if comptime!(with_dq) {
+            #[unroll]
+            for n in 0..s_tiles {
+                #[unroll]
+                for half in 0..2usize {
+                    store_pair(&ds_tile, &dp_acc, n, half, plane_row, ds_ld);
+                }
+            }
+        }
 
         // 3. dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries per step.
         #[unroll]
@@ -375,6 +397,22 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     mma(&dsf, 0, &qf, 2, &mut dk_acc, 2 * n + 1);
                 }
             }
+        }
+
+        // 4. dQ += dS·K for the block's queries, once every plane's dSᵀ is in place (the
+        // next step's barrier keeps the tile until every plane has read it).
+        if comptime!(with_dq) {
+            sync_cube();
+            let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
+            add_dq_share(
+                &ds_tile,
+                &k_tile,
+                dq_sum,
+                batch,
+                head_q,
+                usize::cast_from(q0),
+                config,
+            );
         }
     }
 

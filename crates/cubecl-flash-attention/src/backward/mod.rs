@@ -10,13 +10,19 @@
 //! to the `cmma` kernels where its kernels cannot take the problem: inputs not readable by
 //! 16-byte copies, or head dims too large for its registers and shared memory (beyond 256).
 //!
-//! Extra device memory: `D`, `[b, h_q, s_q]` f32. No `s × s` buffer, no atomics: the
-//! result is bitwise identical from run to run.
+//! Unless [`AttentionOptions::deterministic`] is set, the register-level path folds step 3
+//! into step 2 where the tiles allow: the dK/dV kernel adds `dS·K` to an f32 dQ sum with
+//! atomics ([`dq_atomic`]), five matrix products per block pair instead of seven.
+//!
+//! Extra device memory: `D`, `[b, h_q, s_q]` f32, and for the atomic dQ its f32 sum (the
+//! shape of Q). No `s × s` buffer. Without atomics the result is bitwise identical from run
+//! to run.
 
 mod dkdv;
 mod dkdv_cmma;
 mod dkdv_register_mma;
 mod dq;
+mod dq_atomic;
 mod dq_cmma;
 mod dq_register_mma;
 mod preprocess;
@@ -38,6 +44,7 @@ pub use dkdv::flash_backward_dkdv;
 pub use dkdv_cmma::{flash_backward_dkdv_cmma, shared_bytes as dkdv_cmma_shared_bytes};
 pub use dkdv_register_mma::flash_backward_dkdv_mma;
 pub use dq::flash_backward_dq;
+pub use dq_atomic::{flash_backward_dq_from_sum, flash_backward_dq_zero};
 pub use dq_cmma::{flash_backward_dq_cmma, shared_bytes as dq_cmma_shared_bytes};
 pub use dq_register_mma::flash_backward_dq_mma;
 pub use preprocess::flash_backward_delta;
@@ -142,6 +149,25 @@ pub fn backward_into(
 
     match plan {
         Plan::RegisterMma(config) => {
+            // The f32 dQ sum of the atomic form (a token tensor without).
+            let sum_shape = if config.atomic_dq {
+                q.shape.clone()
+            } else {
+                vec![1, 1, 1, 1]
+            };
+            let dq_sum = DeviceTensor::empty(client, &sum_shape, 4);
+            let elements = sum_shape.iter().product::<usize>();
+            let elementwise = CubeCount::Static(elements.div_ceil(cube as usize) as u32, 1, 1);
+            if config.atomic_dq {
+                unsafe {
+                    flash_backward_dq_zero::launch_unchecked(
+                        client,
+                        elementwise.clone(),
+                        CubeDim::new_1d(cube),
+                        dq_sum.arg(),
+                    );
+                }
+            }
             let count = CubeCount::Static(
                 problem.seq_kv.div_ceil(config.block_rows()) as u32,
                 (problem.batch * problem.heads_kv) as u32,
@@ -161,6 +187,7 @@ pub fn backward_into(
                         delta.arg(),
                         grads.dk.arg(),
                         grads.dv.arg(),
+                        dq_sum.arg(),
                         scale,
                         softcap,
                         left,
@@ -170,6 +197,20 @@ pub fn backward_into(
                         elem,
                     );
                 }
+            }
+            if config.atomic_dq {
+                unsafe {
+                    flash_backward_dq_from_sum::launch_unchecked(
+                        client,
+                        elementwise,
+                        CubeDim::new_1d(cube),
+                        dq_sum.arg(),
+                        grads.dq.arg(),
+                        scale,
+                        elem,
+                    );
+                }
+                return Ok(());
             }
             // Head-major, as the forward.
             let count = CubeCount::Static(
