@@ -2,8 +2,9 @@
 //! catalogue problem and every dtype the device has.
 
 use burn_flash_attention::kernels::{
-    DeviceLimits, DeviceTensor, FlashError, FloatDtype, KernelPath,
+    AttentionProblem, DeviceLimits, DeviceTensor, FlashError, FloatDtype, KernelPath,
     backward::{Gradients, Saved, backward, backward_into},
+    config::{ATOMIC_DQ_MIN_SEQ_Q, choose_register_backward_tiles},
     forward::{forward, forward_into},
     reference,
 };
@@ -214,6 +215,51 @@ fn deterministic_backward_matches_the_oracle() {
             deterministic: true,
             ..case
         };
+        check_case(
+            &client,
+            &case,
+            dtype,
+            Layout::Contiguous,
+            KernelPath::RegisterMma,
+        );
+    }
+}
+
+/// The register-level backward's dQ by f32 atomics, which it takes for query sequences of
+/// at least `ATOMIC_DQ_MIN_SEQ_Q`: short key sequences (cheap for the oracle), causal with
+/// s_q > s_kv (most rows see no key: their dQ must stay zero) with GQA, and a sliding window
+/// with softcap and d_v ≠ d_qk.
+#[test]
+fn atomic_dq_backward_matches_the_oracle() {
+    let client = common::client();
+    let dtype = auto_test_dtype(&client);
+    if !common::paths(&client, dtype).contains(&KernelPath::RegisterMma) {
+        eprintln!(
+            "no register-level path on this device: its backward is the only one with atomics"
+        );
+        return;
+    }
+    let s = ATOMIC_DQ_MIN_SEQ_Q;
+    let cases = [
+        Case {
+            causal: true,
+            ..common::case(common::dims(1, 4, 2, s, 300, 64, 64))
+        },
+        Case {
+            window: (Some(40), Some(8)),
+            softcap: Some(5.0),
+            ..common::case(common::dims(1, 2, 1, s + 5, 200, 128, 96))
+        },
+    ];
+    let limits = DeviceLimits::from_properties(client.properties());
+    for case in cases {
+        let (qs, ks, vs, _) = shapes(&case);
+        let problem = AttentionProblem::new(&qs, &ks, &vs, dtype, case.options()).unwrap();
+        let config = choose_register_backward_tiles(&problem, &limits).unwrap();
+        assert!(
+            config.atomic_dq,
+            "{case:?} should take the atomic dQ: {config:?}"
+        );
         check_case(
             &client,
             &case,

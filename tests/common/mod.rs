@@ -249,7 +249,7 @@ pub struct Case {
     pub deterministic: bool,
 }
 
-const fn dims(
+pub const fn dims(
     batch: usize,
     heads_q: usize,
     heads_kv: usize,
@@ -269,7 +269,7 @@ const fn dims(
     }
 }
 
-const fn case(dims: Dims) -> Case {
+pub const fn case(dims: Dims) -> Case {
     Case {
         dims,
         causal: false,

@@ -536,9 +536,16 @@ impl RegisterBackwardConfig {
     }
 }
 
-/// Picks the register-level backward tiles for `problem`. Unless the options ask for a
-/// deterministic backward, first dQ by atomics in the dK/dV kernel: 8 planes (128 keys, as
-/// FA2, halving the atomics per key of 64-key cubes) and 64-query blocks, where they fit.
+/// Shortest query sequence for which the register-level backward computes dQ by atomics
+/// (unless asked to be deterministic). Measured on the H200 (bf16, d = 64 and 128,
+/// docs/benchmarks.md): the atomic form ran 4–8% faster at s = 16k, within ±3% at 4k, and
+/// 2–19% slower at 1k, where each cube streams few query blocks.
+pub const ATOMIC_DQ_MIN_SEQ_Q: usize = 8192;
+
+/// Picks the register-level backward tiles for `problem`. For query sequences of at least
+/// [`ATOMIC_DQ_MIN_SEQ_Q`], unless the options ask for a deterministic backward, first dQ by
+/// atomics in the dK/dV kernel: 8 planes (128 keys, as FA2, halving the atomics per key of
+/// 64-key cubes) and 64-query blocks, where they fit.
 /// Otherwise the dQ pass and 4 planes of 16 rows, with the largest streamed block (64, 32 or
 /// 16 rows) whose accumulators fit the register budget and whose stages fit shared memory;
 /// dK and dV in one launch where they fit, else in two (then 8 planes and 32-row blocks
@@ -553,7 +560,8 @@ pub fn choose_register_backward_tiles(
     // Split launches hold half the accumulators: 8 planes of 32-row blocks ran 22% faster
     // than 4 of 64 at d256 on the H200 (docs/benchmarks.md).
     let wide = 8.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
-    let atomic = (!problem.options.deterministic).then_some((true, false, wide, 64));
+    let atomic = (!problem.options.deterministic && problem.seq_q >= ATOMIC_DQ_MIN_SEQ_Q)
+        .then_some((true, false, wide, 64));
     atomic
         .into_iter()
         .chain([
@@ -864,9 +872,20 @@ mod tests {
             );
             assert_eq!(c.block_rows(), 4 * FRAGMENT);
         }
-        // By default dQ goes by atomics, with 128-key cubes, where the planes share it evenly.
+        // Long query sequences take dQ by atomics, with 128-key cubes, where the planes share
+        // it evenly; short ones the dQ pass.
+        let long = |d: usize| {
+            let mut p = problem(d, d);
+            p.seq_q = ATOMIC_DQ_MIN_SEQ_Q;
+            p
+        };
         for d in [64, 96, 128] {
-            let c = choose_register_backward_tiles(&problem(d, d), &NVIDIA).unwrap();
+            assert!(
+                !choose_register_backward_tiles(&problem(d, d), &NVIDIA)
+                    .unwrap()
+                    .atomic_dq
+            );
+            let c = choose_register_backward_tiles(&long(d), &NVIDIA).unwrap();
             assert!(c.atomic_dq && c.paired_atomics && !c.split, "d={d}");
             assert_eq!((c.planes, c.block_stream), (8, 64), "d={d}");
             assert!(c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET);
@@ -877,7 +896,7 @@ mod tests {
             assert_eq!(parts * split.width, c.dim_qk_padded(), "d={d}");
         }
         // d40 pads to three 16-column fragments: two parts cannot share them.
-        let c = choose_register_backward_tiles(&problem(40, 40), &NVIDIA).unwrap();
+        let c = choose_register_backward_tiles(&long(40), &NVIDIA).unwrap();
         assert!(!c.atomic_dq && c.planes == 4);
         // 16 keys of dK and dV in d256 take 256 registers: two launches.
         let c = choose_register_backward_tiles(&problem(256, 256), &NVIDIA).unwrap();

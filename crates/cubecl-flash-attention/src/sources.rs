@@ -25,7 +25,7 @@ use crate::backward::{
     flash_backward_dq_cmma, flash_backward_dq_from_sum, flash_backward_dq_mma,
     flash_backward_dq_zero, register_backward_config,
 };
-use crate::config::{DeviceLimits, KeyGradients};
+use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
 use crate::forward::{
     flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
     register_mma_config,
@@ -508,14 +508,15 @@ fn kernels(
             }),
         ));
         // The backward's own kernels where its accumulators fit registers (otherwise it runs
-        // the `cmma` kernels below): dQ by atomics in the dK/dV kernel, or in its own pass
-        // for a deterministic backward.
+        // the `cmma` kernels below): dQ by atomics in the dK/dV kernel (long query sequences),
+        // or in its own pass (short ones, or a deterministic backward).
         for deterministic in [false, true] {
             let problem = AttentionProblem {
                 options: AttentionOptions {
                     deterministic,
                     ..problem.options
                 },
+                seq_q: problem.seq_q.max(ATOMIC_DQ_MIN_SEQ_Q),
                 ..*problem
             };
             let Ok(c) = register_backward_config(&problem, limits) else {
