@@ -23,9 +23,10 @@ pub struct FlashAttentionOptions {
     /// `cap · tanh(s / cap)` applied to the scaled scores before masking.
     pub softcap: Option<f32>,
     /// Request a backward pass whose gradients are bitwise identical from run to run. By
-    /// default the register-level (CUDA sm_80+) backward adds `dQ` up with f32 atomics, whose
-    /// order varies; with this flag it computes `dQ` in a pass of its own instead (7 matrix
-    /// products per block pair instead of 5). The other paths never use atomics.
+    /// default the register-level (CUDA sm_80+) backward of query sequences of 8192 or more
+    /// adds `dQ` up with f32 atomics, whose order varies; with this flag it computes `dQ` in a
+    /// pass of its own instead (7 matrix products per block pair instead of 5). Other paths
+    /// and shorter sequences never use atomics.
     pub deterministic: bool,
 }
 

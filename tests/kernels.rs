@@ -203,13 +203,9 @@ fn forward_and_backward_match_the_oracle() {
 #[test]
 fn deterministic_backward_matches_the_oracle() {
     let client = common::client();
-    let dtype = auto_test_dtype(&client);
-    if !common::paths(&client, dtype).contains(&KernelPath::RegisterMma) {
-        eprintln!(
-            "no register-level path on this device: its backward is the only one with atomics"
-        );
+    let Some(dtype) = register_path_dtype(&client) else {
         return;
-    }
+    };
     for case in common::selected_cases() {
         let case = Case {
             deterministic: true,
@@ -225,6 +221,19 @@ fn deterministic_backward_matches_the_oracle() {
     }
 }
 
+/// The dtype the register-level path's tests run in, or `None` (said on stderr) where the
+/// device has no such path.
+fn register_path_dtype(client: &Client) -> Option<FloatDtype> {
+    let dtype = auto_test_dtype(client);
+    let has = common::paths(client, dtype).contains(&KernelPath::RegisterMma);
+    if !has {
+        eprintln!(
+            "no register-level path on this device: its backward is the only one with atomics"
+        );
+    }
+    has.then_some(dtype)
+}
+
 /// The register-level backward's dQ by f32 atomics, which it takes for query sequences of
 /// at least `ATOMIC_DQ_MIN_SEQ_Q`: short key sequences (cheap for the oracle), causal with
 /// s_q > s_kv (most rows see no key: their dQ must stay zero) with GQA, and a sliding window
@@ -232,13 +241,9 @@ fn deterministic_backward_matches_the_oracle() {
 #[test]
 fn atomic_dq_backward_matches_the_oracle() {
     let client = common::client();
-    let dtype = auto_test_dtype(&client);
-    if !common::paths(&client, dtype).contains(&KernelPath::RegisterMma) {
-        eprintln!(
-            "no register-level path on this device: its backward is the only one with atomics"
-        );
+    let Some(dtype) = register_path_dtype(&client) else {
         return;
-    }
+    };
     let s = ATOMIC_DQ_MIN_SEQ_Q;
     let cases = [
         Case {

@@ -538,8 +538,8 @@ impl RegisterBackwardConfig {
 
 /// Shortest query sequence for which the register-level backward computes dQ by atomics
 /// (unless asked to be deterministic). Measured on the H200 (bf16, d = 64 and 128,
-/// docs/benchmarks.md): the atomic form ran 4–8% faster at s = 16k, within ±3% at 4k, and
-/// 2–19% slower at 1k, where each cube streams few query blocks.
+/// docs/benchmarks.md): the atomic form's backward ran 1–8% faster at s = 16k, −3…+1% at 4k,
+/// and 2–16% slower at 1k, where each cube streams few query blocks.
 pub const ATOMIC_DQ_MIN_SEQ_Q: usize = 8192;
 
 /// Picks the register-level backward tiles for `problem`. For query sequences of at least

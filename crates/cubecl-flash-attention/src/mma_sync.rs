@@ -60,11 +60,23 @@ pub fn load_b_transposed<F: Float>(
     #[comptime] ld: usize,
     #[comptime] address: LoadAddress,
 ) -> Array<Pair<F>> {
+    ldmatrix_x4(
+        tile,
+        transposed_row(offset, ld),
+        MatrixIdent::B,
+        false,
+        address,
+    )
+}
+
+/// The lane's row of an `ldmatrix.x4` of a 16×16 block of `X` at `offset` (stride `ld`)
+/// whose fragment is indexed by the columns of `X`: matrix `lane / 8` is read from rows 0–7
+/// or 8–15 of `X` (bit 1) at column 0 or 8 (bit 0).
+#[cube]
+fn transposed_row(offset: usize, #[comptime] ld: usize) -> usize {
     let lane = UNIT_POS_PLANE as usize;
-    // Matrix `lane / 8`: rows 0–7 or 8–15 (bit 1), columns 0–7 or 8–15 (bit 0).
     let matrix = lane / ROW;
-    let start = offset + (lane % ROW + (matrix / 2) * ROW) * ld + (matrix % 2) * ROW;
-    ldmatrix_x4(tile, start, MatrixIdent::B, false, address)
+    offset + (lane % ROW + (matrix / 2) * ROW) * ld + (matrix % 2) * ROW
 }
 
 /// The B fragments of two neighbouring 8-column tiles of the 16×16 block of `X` at `offset`
@@ -92,12 +104,15 @@ pub fn load_a_transposed<F: Float>(
     #[comptime] ld: usize,
     #[comptime] address: LoadAddress,
 ) -> Array<Pair<F>> {
-    let lane = UNIT_POS_PLANE as usize;
-    // Matrix `lane / 8` of the fragment (A rows 0–7 or 8–15: bit 0; A columns 0–7 or 8–15:
-    // bit 1) is read from rows 0–7 or 8–15 of X (bit 1) at column 0 or 8 (bit 0).
-    let matrix = lane / ROW;
-    let start = offset + (lane % ROW + (matrix / 2) * ROW) * ld + (matrix % 2) * ROW;
-    ldmatrix_x4(tile, start, MatrixIdent::A, true, address)
+    // Matrix `lane / 8` of the fragment holds A rows 0–7 or 8–15 (bit 0), A columns 0–7 or
+    // 8–15 (bit 1): rows of X (bit 1) at column 0 or 8 (bit 0), as `transposed_row` reads.
+    ldmatrix_x4(
+        tile,
+        transposed_row(offset, ld),
+        MatrixIdent::A,
+        true,
+        address,
+    )
 }
 
 /// Writes the lane's pair of row `half` of accumulator tile `n` (see [`store_row`]'s layout),

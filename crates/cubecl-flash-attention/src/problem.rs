@@ -43,7 +43,7 @@ pub struct AttentionOptions {
     /// `cap · tanh(s / cap)` on the scores before masking; must be positive.
     pub softcap: Option<f32>,
     /// A backward whose gradients are bitwise identical from run to run: no atomics (the
-    /// register-level path then computes dQ in a pass of its own).
+    /// register-level path then computes dQ in a pass of its own at every length).
     #[serde(default)]
     pub deterministic: bool,
 }

@@ -10,8 +10,9 @@
 //! to the `cmma` kernels where its kernels cannot take the problem: inputs not readable by
 //! 16-byte copies, or head dims too large for its registers and shared memory (beyond 256).
 //!
-//! Unless [`AttentionOptions::deterministic`] is set, the register-level path folds step 3
-//! into step 2 where the tiles allow: the dK/dV kernel adds `dS·K` to an f32 dQ sum with
+//! For query sequences of at least [`crate::config::ATOMIC_DQ_MIN_SEQ_Q`], unless
+//! [`AttentionOptions::deterministic`] is set, the register-level path folds step 3 into
+//! step 2 where the tiles allow: the dK/dV kernel adds `dS·K` to an f32 dQ sum with
 //! atomics ([`dq_atomic`]), five matrix products per block pair instead of seven.
 //!
 //! Extra device memory: `D`, `[b, h_q, s_q]` f32, and for the atomic dQ its f32 sum (the
