@@ -275,6 +275,25 @@ fn atomic_dq_backward_matches_the_oracle() {
     }
 }
 
+/// The atomic dQ adds up into a sum from `DeviceTensor::zeros_f32`: zeros, also in memory
+/// that a NaN-poisoned tensor of the same size has just released to the pool (read back
+/// first, so that its upload is done and its memory reused; a plain allocation fails here).
+#[test]
+fn zeroed_sums_start_at_zero() {
+    let client = common::client();
+    let shape = [2, 3, 97, 40];
+    let nan = poisoned(&client, &shape, FloatDtype::F32);
+    client.read_one(nan.handle.clone()).expect("poisoned");
+    drop(nan);
+    let sum = DeviceTensor::zeros_f32(&client, &shape);
+    let got = download(&client, &sum, FloatDtype::F32);
+    assert_eq!(got.len(), shape.iter().product::<usize>());
+    assert!(
+        got.iter().all(|&x| x == 0.0),
+        "non-zero entries in a zeroed sum"
+    );
+}
+
 #[test]
 fn strided_bshd_inputs_are_read_in_place() {
     let client = common::client();

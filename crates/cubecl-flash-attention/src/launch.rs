@@ -28,6 +28,20 @@ impl DeviceTensor {
         }
     }
 
+    /// A new contiguous f32 tensor of zeros (CubeCL's vectorized fill).
+    pub fn zeros_f32(client: &Client, shape: &[usize]) -> Self {
+        let filled = cubecl::std::tensor::TensorHandle::zeros(
+            client,
+            shape.to_vec(),
+            FloatDtype::F32.elem_type(),
+        );
+        Self {
+            handle: filled.handle,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        }
+    }
+
     /// Uploads host data as a contiguous tensor.
     pub fn from_bytes(client: &Client, shape: &[usize], bytes: &[u8]) -> Self {
         Self {

@@ -23,7 +23,7 @@ use crate::backward::{
     dkdv_mma_config, dkdv_portable_config, dq_mma_config, dq_portable_config, flash_backward_delta,
     flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dkdv_mma, flash_backward_dq,
     flash_backward_dq_cmma, flash_backward_dq_from_sum, flash_backward_dq_mma,
-    flash_backward_dq_zero, register_backward_config,
+    register_backward_config,
 };
 use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
 use crate::forward::{
@@ -557,15 +557,6 @@ fn kernels(
                 ));
             }
             if c.atomic_dq {
-                kernels.push((
-                    "backward_dq_zero",
-                    Ok(Box::new(flash_backward_dq_zero::FlashBackwardDqZero::new(
-                        settings(256),
-                        props.clone(),
-                        tprops.clone(),
-                        tensor(),
-                    ))),
-                ));
                 kernels.push((
                     "backward_dq_from_sum",
                     Ok(Box::new(

@@ -1,8 +1,7 @@
 //! dQ by f32 atomics (FlashAttention-2's form), for the register-level dK/dV kernel with
 //! [`RegisterBackwardConfig::atomic_dq`]: each cube adds `dS·K` of its keys, for every query
-//! block it sees, to an f32 buffer `[batch, heads_q, seq_q, d_qk]`, zeroed beforehand
-//! ([`flash_backward_dq_zero`]) and converted to dQ afterwards
-//! ([`flash_backward_dq_from_sum`], which applies the softmax scale).
+//! block it sees, to a zeroed f32 buffer `[batch, heads_q, seq_q, d_qk]`, converted to dQ
+//! afterwards ([`flash_backward_dq_from_sum`], which applies the softmax scale).
 //!
 //! Five matrix products per (query block, key block) pair instead of the seven of a separate
 //! dQ pass, which recomputes `S` and `dP`. The order of the additions varies from run to run:
@@ -105,14 +104,6 @@ fn add_pair(t: &mut Tensor<f32>, at: usize, pair: Pair<f32>, #[comptime] paired:
             "red.relaxed.gpu.global.add.f32 [{pointer}], {a}; red.relaxed.gpu.global.add.f32 [{pointer}+4], {b};",
             pointer = in(_) pointer, a = in(_) a, b = in(_) b,
         );
-    }
-}
-
-/// Zeroes the f32 dQ sum, one unit per element.
-#[cube(launch_unchecked)]
-pub fn flash_backward_dq_zero(dq_sum: &mut Tensor<f32>) {
-    if ABSOLUTE_POS < dq_sum.len() {
-        dq_sum[ABSOLUTE_POS] = 0.0;
     }
 }
 

@@ -45,7 +45,7 @@ pub use dkdv::flash_backward_dkdv;
 pub use dkdv_cmma::{flash_backward_dkdv_cmma, shared_bytes as dkdv_cmma_shared_bytes};
 pub use dkdv_register_mma::flash_backward_dkdv_mma;
 pub use dq::flash_backward_dq;
-pub use dq_atomic::{flash_backward_dq_from_sum, flash_backward_dq_zero};
+pub use dq_atomic::flash_backward_dq_from_sum;
 pub use dq_cmma::{flash_backward_dq_cmma, shared_bytes as dq_cmma_shared_bytes};
 pub use dq_register_mma::flash_backward_dq_mma;
 pub use preprocess::flash_backward_delta;
@@ -150,25 +150,12 @@ pub fn backward_into(
 
     match plan {
         Plan::RegisterMma(config) => {
-            // The f32 dQ sum of the atomic form (a token tensor without).
-            let sum_shape = if config.atomic_dq {
-                q.shape.clone()
+            // The zeroed f32 dQ sum of the atomic form (a token tensor without).
+            let dq_sum = if config.atomic_dq {
+                DeviceTensor::zeros_f32(client, &q.shape)
             } else {
-                vec![1, 1, 1, 1]
+                DeviceTensor::empty(client, &[1, 1, 1, 1], 4)
             };
-            let dq_sum = DeviceTensor::empty(client, &sum_shape, 4);
-            let elements = sum_shape.iter().product::<usize>();
-            let elementwise = CubeCount::Static(elements.div_ceil(cube as usize) as u32, 1, 1);
-            if config.atomic_dq {
-                unsafe {
-                    flash_backward_dq_zero::launch_unchecked(
-                        client,
-                        elementwise.clone(),
-                        CubeDim::new_1d(cube),
-                        dq_sum.arg(),
-                    );
-                }
-            }
             let count = CubeCount::Static(
                 problem.seq_kv.div_ceil(config.block_rows()) as u32,
                 (problem.batch * problem.heads_kv) as u32,
@@ -201,9 +188,10 @@ pub fn backward_into(
             }
             if config.atomic_dq {
                 unsafe {
+                    let elements = q.shape.iter().product::<usize>();
                     flash_backward_dq_from_sum::launch_unchecked(
                         client,
-                        elementwise,
+                        CubeCount::Static(elements.div_ceil(cube as usize) as u32, 1, 1),
                         CubeDim::new_1d(cube),
                         dq_sum.arg(),
                         grads.dq.arg(),
