@@ -20,9 +20,9 @@ use cubecl_cpp::shared::{
 };
 
 use crate::backward::{
-    dkdv_mma_config, dkdv_portable_config, dq_mma_config, dq_portable_config, flash_backward_delta,
-    flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dkdv_mma, flash_backward_dq,
-    flash_backward_dq_cmma, flash_backward_dq_from_sum, flash_backward_dq_mma,
+    DELTA_LANES, dkdv_mma_config, dkdv_portable_config, dq_mma_config, dq_portable_config,
+    flash_backward_delta, flash_backward_dkdv, flash_backward_dkdv_cmma, flash_backward_dkdv_mma,
+    flash_backward_dq, flash_backward_dq_cmma, flash_backward_dq_from_sum, flash_backward_dq_mma,
     register_backward_config,
 };
 use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
@@ -434,6 +434,7 @@ fn kernels(
             tensor(),
             tensor(),
             problem.dim_v,
+            256 / DELTA_LANES,
             elem,
         ))),
     ));

@@ -48,7 +48,7 @@ pub use dq::flash_backward_dq;
 pub use dq_atomic::flash_backward_dq_from_sum;
 pub use dq_cmma::{flash_backward_dq_cmma, shared_bytes as dq_cmma_shared_bytes};
 pub use dq_register_mma::flash_backward_dq_mma;
-pub use preprocess::flash_backward_delta;
+pub use preprocess::{DELTA_LANES, flash_backward_delta};
 
 /// Gradients of Q, K and V, contiguous, in the input dtype.
 #[derive(Clone, Debug)]
@@ -135,15 +135,17 @@ pub fn backward_into(
     let delta = DeviceTensor::empty(client, &problem.lse_shape(), 4);
     let rows = problem.batch * problem.heads_q * problem.seq_q;
     let cube = 256u32.min(limits.max_units_per_cube as u32);
+    let delta_rows = cube as usize / DELTA_LANES;
     unsafe {
         flash_backward_delta::launch_unchecked(
             client,
-            CubeCount::Static(rows.div_ceil(cube as usize) as u32, 1, 1),
-            CubeDim::new_1d(cube),
+            CubeCount::Static(rows.div_ceil(delta_rows) as u32, 1, 1),
+            CubeDim::new_1d((delta_rows * DELTA_LANES) as u32),
             out.arg(),
             d_out.arg(),
             delta.arg(),
             problem.dim_v,
+            delta_rows,
             elem,
         );
     }

@@ -1,8 +1,16 @@
-//! Backward step 1: `D = rowsum(dO ⊙ O)` in f32, one unit per query row.
+//! Backward step 1: `D = rowsum(dO ⊙ O)` in f32.
+//!
+//! [`DELTA_LANES`] consecutive units share a row: unit `l` multiplies columns `l`,
+//! `l + DELTA_LANES`, …, so neighbouring units read neighbouring elements (one 32-byte
+//! sector per 16 units in half precision), and the row's partial sums are added in shared
+//! memory, always in the same order. A cube of `rows · DELTA_LANES` units covers `rows` rows.
 
 use cubecl::prelude::*;
 
 use crate::tile::row_offset;
+
+/// Units sharing one row.
+pub const DELTA_LANES: usize = 16;
 
 #[cube(launch_unchecked)]
 pub fn flash_backward_delta<F: Float>(
@@ -10,21 +18,41 @@ pub fn flash_backward_delta<F: Float>(
     d_out: &Tensor<F>,
     delta: &mut Tensor<f32>,
     #[comptime] dim_v: usize,
+    #[comptime] rows: usize,
     #[define(F)] _dtype: ElemType,
 ) {
+    let mut partial = Shared::<[f32]>::new_slice(comptime!(rows * DELTA_LANES));
     let (heads, seq) = (out.shape(1), out.shape(2));
-    let row = ABSOLUTE_POS;
-    if row >= out.shape(0) * heads * seq {
-        terminate!();
-    }
+    let lane = UNIT_POS as usize % DELTA_LANES;
+    let local = UNIT_POS as usize / DELTA_LANES;
+    let row = CUBE_POS as usize * rows + local;
+    let inside = row < out.shape(0) * heads * seq;
     let (batch, head, i) = (row / (heads * seq), (row / seq) % heads, row % seq);
-    let o = row_offset(out, batch, head, i);
-    let g = row_offset(d_out, batch, head, i);
+
     let mut sum = 0.0f32;
-    for c in 0..dim_v {
-        sum += f32::cast_from(out[o + c * out.stride(3)])
-            * f32::cast_from(d_out[g + c * d_out.stride(3)]);
+    if inside {
+        let o = row_offset(out, batch, head, i);
+        let g = row_offset(d_out, batch, head, i);
+        let (o_col, g_col) = (out.stride(3), d_out.stride(3));
+        #[unroll]
+        for j in 0..comptime!(dim_v.div_ceil(DELTA_LANES)) {
+            let c = j * DELTA_LANES + lane;
+            if comptime!(dim_v % DELTA_LANES == 0) || c < dim_v {
+                sum += f32::cast_from(out[o + c * o_col]) * f32::cast_from(d_out[g + c * g_col]);
+            }
+        }
     }
-    let index = batch * delta.stride(0) + head * delta.stride(1) + i * delta.stride(2);
-    delta[index] = sum;
+    partial[UNIT_POS as usize] = sum;
+    sync_cube();
+
+    if inside && lane == 0 {
+        let first = local * DELTA_LANES;
+        let mut total = 0.0f32;
+        #[unroll]
+        for l in 0..DELTA_LANES {
+            total += partial[first + l];
+        }
+        let index = batch * delta.stride(0) + head * delta.stride(1) + i * delta.stride(2);
+        delta[index] = total;
+    }
 }
