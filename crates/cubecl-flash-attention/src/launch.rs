@@ -7,6 +7,7 @@ use cubecl::server::Handle;
 use crate::config::TileConfig;
 use crate::error::FlashError;
 use crate::problem::{AttentionProblem, FloatDtype};
+use crate::tile::RowLayoutLaunch;
 
 /// A device tensor: a buffer with its shape and strides (in elements).
 #[derive(Clone, Debug)]
@@ -49,6 +50,24 @@ impl DeviceTensor {
             shape: shape.to_vec(),
             strides: contiguous_strides(shape),
         }
+    }
+
+    /// The tensor's [`RowLayout`] as a launch argument; an error naming `arg` where a stride
+    /// or the sequence length does not fit 32 bits.
+    pub(crate) fn row_layout(&self, arg: &'static str) -> Result<RowLayoutLaunch, FlashError> {
+        let part = |value: usize| {
+            u32::try_from(value).map_err(|_| FlashError::Shape {
+                arg,
+                shape: self.shape.clone(),
+                expected: "strides and a sequence length below 2^32 elements".into(),
+            })
+        };
+        Ok(RowLayoutLaunch::new(
+            part(self.strides[0])?,
+            part(self.strides[1])?,
+            part(self.strides[2])?,
+            part(self.shape[2])?,
+        ))
     }
 
     pub(crate) fn arg(&self) -> TensorArg {

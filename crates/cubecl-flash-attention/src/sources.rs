@@ -32,6 +32,7 @@ use crate::forward::{
 };
 use crate::mask::MaskSpec;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
+use crate::tile::RowLayoutCompilationArg;
 
 /// A GPU the kernels are generated for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -372,6 +373,16 @@ fn variant_suffix(p: &AttentionProblem) -> String {
 
 type KernelResult = Result<Box<dyn CubeKernel>, String>;
 
+/// The compile-time part of a [`crate::tile::RowLayout`] argument (all of it is runtime).
+fn row_layout() -> RowLayoutCompilationArg {
+    RowLayoutCompilationArg {
+        batch_stride: (),
+        head_stride: (),
+        row_stride: (),
+        seq: (),
+    }
+}
+
 fn tensor() -> TensorCompilationArg {
     TensorCompilationArg {
         meta: TensorMetaCompilationArg { len: (), rank: () },
@@ -498,6 +509,9 @@ fn kernels(
                     tensor(),
                     tensor(),
                     tensor(),
+                    row_layout(),
+                    row_layout(),
+                    row_layout(),
                     (),
                     (),
                     (),
@@ -546,6 +560,13 @@ fn kernels(
                             tensor(),
                             tensor(),
                             tensor(),
+                            row_layout(),
+                            row_layout(),
+                            row_layout(),
+                            row_layout(),
+                            row_layout(),
+                            row_layout(),
+                            row_layout(),
                             (),
                             (),
                             (),
@@ -587,6 +608,10 @@ fn kernels(
                     tensor(),
                     tensor(),
                     tensor(),
+                    row_layout(),
+                    row_layout(),
+                    row_layout(),
+                    row_layout(),
                     (),
                     (),
                     (),

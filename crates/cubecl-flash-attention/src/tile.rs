@@ -30,6 +30,35 @@ impl Head {
     }
 }
 
+/// Where the rows of a `[batch, heads, seq, ·]` tensor (or a `[batch, heads, seq]` vector)
+/// are: the element strides of its first three dims and its sequence length. The
+/// register-level kernels take one per tensor they stage block after block, as a launch
+/// argument: it then lives in the kernel's parameters and is read as constant operands,
+/// where a tensor's own shape and strides live in global memory and are loaded again at
+/// every use after the kernels' inline assembly (which may touch any memory).
+#[derive(CubeLaunch, CubeType, Clone, Copy)]
+pub struct RowLayout {
+    pub batch_stride: u32,
+    pub head_stride: u32,
+    pub row_stride: u32,
+    pub seq: u32,
+}
+
+#[cube]
+impl RowLayout {
+    /// Element offset of `(batch, head, row, 0)`.
+    pub fn offset(&self, batch: usize, head: usize, row: usize) -> usize {
+        batch * usize::cast_from(self.batch_stride)
+            + head * usize::cast_from(self.head_stride)
+            + row * usize::cast_from(self.row_stride)
+    }
+
+    /// Rows per (batch, head).
+    pub fn rows(&self) -> usize {
+        usize::cast_from(self.seq)
+    }
+}
+
 /// Element offset of `(batch, head, row, 0)`.
 #[cube]
 pub fn row_offset<F: Numeric>(t: &Tensor<F>, batch: usize, head: usize, row: usize) -> usize {
@@ -215,7 +244,8 @@ pub fn write_rows<F: Float>(
 /// Elements of one 16-byte asynchronous copy.
 const COPY: usize = 8;
 
-/// [`stage_rows`] with 16-byte asynchronous copies (`cp.async`) into `tile` at `offset`: the
+/// [`stage_rows`] with 16-byte asynchronous copies (`cp.async`) into `tile` at `offset`, the
+/// rows of `t` found through `layout` (its [`RowLayout`]): the
 /// copies have not landed when this returns; a barrier the cube commits them to
 /// (`Barrier::commit_copy_async`) and waits on makes them visible. Rows past the end of the
 /// sequence and the padding columns are zeroed with plain stores, visible after the same
@@ -229,6 +259,7 @@ const COPY: usize = 8;
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows_async<F: Float>(
     t: &Tensor<F>,
+    layout: &RowLayout,
     batch: usize,
     head: usize,
     first: usize,
@@ -240,9 +271,9 @@ pub fn stage_rows_async<F: Float>(
     #[comptime] stride: usize,
     #[comptime] units: usize,
 ) {
-    let seq = t.shape(2);
-    let base = batch * t.stride(0) + head * t.stride(1);
-    let row_stride = t.stride(2);
+    let seq = layout.rows();
+    let base = layout.offset(batch, head, 0);
+    let row_stride = usize::cast_from(layout.row_stride);
     let per_row = comptime!(padded / COPY);
     let total = comptime!(rows * per_row);
     let regular = comptime!(dim == padded && units % per_row == 0 && total % units == 0);
@@ -282,7 +313,7 @@ pub fn stage_rows_async<F: Float>(
 }
 
 /// Stages `rows` entries of two `[batch, heads, seq]` f32 vectors (the LSE and D of a query
-/// block) with 4-byte asynchronous copies: `a` at `offset`, `b` at `offset + rows`, visible
+/// block, laid out as `a_layout`, `b_layout`) with 4-byte asynchronous copies: `a` at `offset`, `b` at `offset + rows`, visible
 /// once the barrier they are committed to has been waited on (as [`stage_rows_async`]).
 /// Entries past the end of the sequence repeat the last one.
 #[cube]
@@ -290,6 +321,8 @@ pub fn stage_rows_async<F: Float>(
 pub fn stage_vectors_async(
     a: &Tensor<f32>,
     b: &Tensor<f32>,
+    a_layout: &RowLayout,
+    b_layout: &RowLayout,
     batch: usize,
     head: usize,
     first: usize,
@@ -298,7 +331,7 @@ pub fn stage_vectors_async(
     #[comptime] rows: usize,
     #[comptime] units: usize,
 ) {
-    let last = a.shape(2) - 1;
+    let last = a_layout.rows() - 1;
     #[unroll]
     for pass in 0..comptime!((2 * rows).div_ceil(units)) {
         let idx = pass * units + UNIT_POS as usize;
@@ -306,14 +339,14 @@ pub fn stage_vectors_async(
             let r = idx % rows;
             let row = min(first + r, last);
             if idx < rows {
-                let at = row_offset(a, batch, head, row);
+                let at = a_layout.offset(batch, head, row);
                 copy_async(
                     &a[at..at + 1],
                     &mut tile[offset + idx..offset + idx + 1],
                     1u32,
                 );
             } else {
-                let at = row_offset(b, batch, head, row);
+                let at = b_layout.offset(batch, head, row);
                 copy_async(
                     &b[at..at + 1],
                     &mut tile[offset + idx..offset + idx + 1],

@@ -30,7 +30,7 @@ use crate::mma_sync::{
     store_pair, store_row, zeros,
 };
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{stage_rows_async, stage_vectors_async};
+use crate::tile::{RowLayout, stage_rows_async, stage_vectors_async};
 
 use super::dq_atomic::add_dq_share;
 
@@ -53,6 +53,13 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     dq_sum: &mut Tensor<f32>,
+    q_rows: RowLayout,
+    k_rows: RowLayout,
+    v_rows: RowLayout,
+    do_rows: RowLayout,
+    lse_rows: RowLayout,
+    delta_rows: RowLayout,
+    dq_rows: RowLayout,
     scale: f32,
     softcap: f32,
     window_left: i32,
@@ -127,6 +134,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     if steps > 0 {
         stage_rows_async(
             k,
+            &k_rows,
             batch,
             head_kv,
             k_begin,
@@ -140,6 +148,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         );
         stage_rows_async(
             v,
+            &v_rows,
             batch,
             head_kv,
             k_begin,
@@ -155,6 +164,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         let head_q = head_kv * group_size;
         stage_rows_async(
             q,
+            &q_rows,
             batch,
             head_q,
             q0,
@@ -168,6 +178,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         );
         stage_rows_async(
             d_out,
+            &do_rows,
             batch,
             head_q,
             q0,
@@ -182,6 +193,8 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         stage_vectors_async(
             lse,
             delta,
+            &lse_rows,
+            &delta_rows,
             batch,
             head_q,
             q0,
@@ -210,6 +223,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             let next_q0 = usize::cast_from(blocks.start((step + 1) % blocks.count, block_q));
             stage_rows_async(
                 q,
+                &q_rows,
                 batch,
                 next_head,
                 next_q0,
@@ -223,6 +237,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             );
             stage_rows_async(
                 d_out,
+                &do_rows,
                 batch,
                 next_head,
                 next_q0,
@@ -237,6 +252,8 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             stage_vectors_async(
                 lse,
                 delta,
+                &lse_rows,
+                &delta_rows,
                 batch,
                 next_head,
                 next_q0,
@@ -408,6 +425,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 &ds_tile,
                 &k_tile,
                 dq_sum,
+                &dq_rows,
                 batch,
                 head_q,
                 usize::cast_from(q0),

@@ -11,20 +11,22 @@ use cubecl::prelude::*;
 
 use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mma_sync::{LoadAddress, Pair, load_a_transposed, load_b, mma, zeros};
+use crate::tile::RowLayout;
 
 /// Columns of one accumulator tile.
 const TILE_COLS: usize = 8;
 
 /// Adds the plane's share ([`crate::config::DqSplit`]) of `dS·K` for the query block at `q0`
-/// of head `head` to `dq_sum`. `ds_tile` holds the block's `dSᵀ` (the cube's keys × the
-/// block's queries, stride `stride(block_stream)`, written by every plane and synchronized),
-/// `k_tile` the cube's K rows.
+/// of head `head` to `dq_sum` (laid out as `dq_rows`). `ds_tile` holds the block's `dSᵀ`
+/// (the cube's keys × the block's queries, stride `stride(block_stream)`, written by every
+/// plane and synchronized), `k_tile` the cube's K rows.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn add_dq_share<F: Float>(
     ds_tile: &Shared<[F]>,
     k_tile: &Shared<[F]>,
     dq_sum: &mut Tensor<f32>,
+    dq_rows: &RowLayout,
     batch: usize,
     head: usize,
     q0: usize,
@@ -70,12 +72,12 @@ pub fn add_dq_share<F: Float>(
 
     // Each lane adds its pairs of rows g and g + 8 (head dims are multiples of 8 on this
     // path: a pair is inside the row or wholly in the padding).
-    let seq_q = dq_sum.shape(2);
+    let seq_q = dq_rows.rows();
     #[unroll]
     for half in 0..2usize {
         let row = q0 + row0 + lane / 4 + 8 * half;
         if row < seq_q {
-            let base = batch * dq_sum.stride(0) + head * dq_sum.stride(1) + row * dq_sum.stride(2);
+            let base = dq_rows.offset(batch, head, row);
             #[unroll]
             for n in 0..tiles {
                 let col = col0 + n * TILE_COLS + 2 * (lane % 4);

@@ -23,7 +23,7 @@ use crate::mma_sync::{
     store_row, zeros,
 };
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{Head, last_first, row_offset, stage_rows_async};
+use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -43,6 +43,10 @@ pub fn flash_backward_dq_mma<F: Float>(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
+    q_rows: RowLayout,
+    k_rows: RowLayout,
+    v_rows: RowLayout,
+    do_rows: RowLayout,
     scale: f32,
     softcap: f32,
     window_left: i32,
@@ -106,6 +110,7 @@ pub fn flash_backward_dq_mma<F: Float>(
         let k0 = usize::cast_from(blocks.first);
         stage_rows_async(
             q,
+            &q_rows,
             head.batch,
             head.head_q,
             q_begin,
@@ -119,6 +124,7 @@ pub fn flash_backward_dq_mma<F: Float>(
         );
         stage_rows_async(
             d_out,
+            &do_rows,
             head.batch,
             head.head_q,
             q_begin,
@@ -132,6 +138,7 @@ pub fn flash_backward_dq_mma<F: Float>(
         );
         stage_rows_async(
             k,
+            &k_rows,
             head.batch,
             head.head_kv,
             k0,
@@ -145,6 +152,7 @@ pub fn flash_backward_dq_mma<F: Float>(
         );
         stage_rows_async(
             v,
+            &v_rows,
             head.batch,
             head.head_kv,
             k0,
@@ -175,6 +183,7 @@ pub fn flash_backward_dq_mma<F: Float>(
             let next_k0 = usize::cast_from(k0) + block_k;
             stage_rows_async(
                 k,
+                &k_rows,
                 head.batch,
                 head.head_kv,
                 next_k0,
@@ -188,6 +197,7 @@ pub fn flash_backward_dq_mma<F: Float>(
             );
             stage_rows_async(
                 v,
+                &v_rows,
                 head.batch,
                 head.head_kv,
                 next_k0,

@@ -79,6 +79,12 @@ pub fn forward_into(
                 problem.seq_q.div_ceil(config.block_rows()) as u32,
                 1,
             );
+            let rows = [
+                q.row_layout("query")?,
+                k.row_layout("key")?,
+                v.row_layout("value")?,
+            ];
+            let [q_rows, k_rows, v_rows] = rows;
             unsafe {
                 flash_forward_mma::launch_unchecked(
                     client,
@@ -89,6 +95,9 @@ pub fn forward_into(
                     v.arg(),
                     out.arg(),
                     lse.arg(),
+                    q_rows,
+                    k_rows,
+                    v_rows,
                     problem.scale(),
                     softcap_arg(&problem),
                     left,

@@ -24,7 +24,7 @@ use crate::mma_sync::{
     zeros,
 };
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
-use crate::tile::{Head, last_first, stage_rows_async};
+use crate::tile::{Head, RowLayout, last_first, stage_rows_async};
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -41,6 +41,9 @@ pub fn flash_forward_mma<F: Float>(
     v: &Tensor<F>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
+    q_rows: RowLayout,
+    k_rows: RowLayout,
+    v_rows: RowLayout,
     scale: f32,
     softcap: f32,
     window_left: i32,
@@ -124,6 +127,7 @@ pub fn flash_forward_mma<F: Float>(
         let k0 = usize::cast_from(blocks.first);
         stage_rows_async(
             q,
+            &q_rows,
             head.batch,
             head.head_q,
             q_begin,
@@ -137,6 +141,7 @@ pub fn flash_forward_mma<F: Float>(
         );
         stage_rows_async(
             k,
+            &k_rows,
             head.batch,
             head.head_kv,
             k0,
@@ -151,6 +156,7 @@ pub fn flash_forward_mma<F: Float>(
         k_landed_0.commit_copy_async();
         stage_rows_async(
             v,
+            &v_rows,
             head.batch,
             head.head_kv,
             k0,
@@ -200,6 +206,7 @@ pub fn flash_forward_mma<F: Float>(
         if has_next {
             stage_rows_async(
                 k,
+                &k_rows,
                 head.batch,
                 head.head_kv,
                 next_k0,
@@ -358,6 +365,7 @@ pub fn flash_forward_mma<F: Float>(
         if has_next {
             stage_rows_async(
                 v,
+                &v_rows,
                 head.batch,
                 head.head_kv,
                 next_k0,
