@@ -25,7 +25,7 @@ pub fn flash_backward_delta<F: Float>(
     let (heads, seq) = (out.shape(1), out.shape(2));
     let lane = UNIT_POS as usize % DELTA_LANES;
     let local = UNIT_POS as usize / DELTA_LANES;
-    let row = CUBE_POS as usize * rows + local;
+    let row = CUBE_POS * rows + local;
     let inside = row < out.shape(0) * heads * seq;
     let (batch, head, i) = (row / (heads * seq), (row / seq) % heads, row % seq);
 
@@ -37,7 +37,7 @@ pub fn flash_backward_delta<F: Float>(
         #[unroll]
         for j in 0..comptime!(dim_v.div_ceil(DELTA_LANES)) {
             let c = j * DELTA_LANES + lane;
-            if comptime!(dim_v % DELTA_LANES == 0) || c < dim_v {
+            if comptime!(dim_v.is_multiple_of(DELTA_LANES)) || c < dim_v {
                 sum += f32::cast_from(out[o + c * o_col]) * f32::cast_from(d_out[g + c * g_col]);
             }
         }
