@@ -55,19 +55,8 @@ impl DeviceTensor {
     /// The tensor's [`RowLayout`] as a launch argument; an error naming `arg` where a stride
     /// or the sequence length does not fit 32 bits.
     pub(crate) fn row_layout(&self, arg: &'static str) -> Result<RowLayoutLaunch, FlashError> {
-        let part = |value: usize| {
-            u32::try_from(value).map_err(|_| FlashError::Shape {
-                arg,
-                shape: self.shape.clone(),
-                expected: "strides and a sequence length below 2^32 elements".into(),
-            })
-        };
-        Ok(RowLayoutLaunch::new(
-            part(self.strides[0])?,
-            part(self.strides[1])?,
-            part(self.strides[2])?,
-            part(self.shape[2])?,
-        ))
+        let [batch, head, row, seq] = row_layout_parts(arg, &self.shape, &self.strides)?;
+        Ok(RowLayoutLaunch::new(batch, head, row, seq))
     }
 
     pub(crate) fn arg(&self) -> TensorArg {
@@ -79,6 +68,28 @@ impl DeviceTensor {
             )
         }
     }
+}
+
+/// The batch, head and row strides and the sequence length of a `[batch, heads, seq, ·]`
+/// tensor as 32-bit launch scalars ([`RowLayout`](crate::tile::RowLayout)).
+fn row_layout_parts(
+    arg: &'static str,
+    shape: &[usize],
+    strides: &[usize],
+) -> Result<[u32; 4], FlashError> {
+    let part = |value: usize| {
+        u32::try_from(value).map_err(|_| FlashError::Shape {
+            arg,
+            shape: shape.to_vec(),
+            expected: "strides and a sequence length below 2^32 elements".into(),
+        })
+    };
+    Ok([
+        part(strides[0])?,
+        part(strides[1])?,
+        part(strides[2])?,
+        part(shape[2])?,
+    ])
 }
 
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
@@ -151,4 +162,28 @@ pub(crate) fn grid(
 pub(crate) fn readable_by_16_byte_copies(t: &DeviceTensor, elem: usize) -> bool {
     let offset = t.handle.offset_start.unwrap_or(0) as usize;
     t.strides[3] == 1 && t.strides[..3].iter().all(|s| (s * elem) % 16 == 0) && offset % 16 == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_layouts_take_strides_and_length() {
+        let shape = [2, 4, 97, 64];
+        let parts = row_layout_parts("query", &shape, &contiguous_strides(&shape)).unwrap();
+        assert_eq!(parts, [4 * 97 * 64, 97 * 64, 64, 97]);
+    }
+
+    #[test]
+    fn row_layouts_beyond_32_bits_name_the_argument() {
+        let shape = [2, 1, 8, 64];
+        let strides = [1usize << 32, 512, 64, 1];
+        let err = row_layout_parts("key", &shape, &strides).unwrap_err();
+        assert!(
+            matches!(err, FlashError::Shape { arg: "key", .. }),
+            "unexpected error: {err}"
+        );
+        assert!(err.to_string().contains("2^32"), "{err}");
+    }
 }
