@@ -34,8 +34,8 @@ impl Head {
 /// are: the element strides of its first three dims and its sequence length. The
 /// register-level kernels take one per tensor they stage block after block, as a launch
 /// argument: it then lives in the kernel's parameters and is read as constant operands,
-/// where a tensor's own shape and strides live in global memory and are loaded again at
-/// every use after the kernels' inline assembly (which may touch any memory).
+/// where a tensor's own shape and strides live in global memory, and the compiled loops
+/// loaded them again at every step (SASS: 7 to 21 loads per step before this).
 #[derive(CubeLaunch, CubeType, Clone, Copy)]
 pub struct RowLayout {
     pub batch_stride: u32,
