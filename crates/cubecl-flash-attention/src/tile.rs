@@ -245,11 +245,10 @@ pub fn write_rows<F: Float>(
 const COPY: usize = 8;
 
 /// [`stage_rows`] with 16-byte asynchronous copies (`cp.async`) into `tile` at `offset`, the
-/// rows of `t` found through `layout` (its [`RowLayout`]): the
-/// copies have not landed when this returns; a barrier the cube commits them to
-/// (`Barrier::commit_copy_async`) and waits on makes them visible. Rows past the end of the
-/// sequence and the padding columns are zeroed with plain stores, visible after the same
-/// wait. Needs `dim % 8 == 0`, a unit column stride, other strides multiples of 8 and a
+/// rows of `t` found through `layout` (its [`RowLayout`]). The copies have not landed when
+/// this returns; a barrier the cube commits them to (`Barrier::commit_copy_async`) and
+/// waits on makes them visible. Rows past the end of the sequence and the padding columns
+/// are zeroed with plain stores, visible after the same wait. Needs `dim % 8 == 0`, a unit column stride, other strides multiples of 8 and a
 /// 16-byte aligned buffer (see the launcher's checks).
 ///
 /// A block wholly inside the sequence whose copies divide evenly among the units (the
@@ -313,9 +312,10 @@ pub fn stage_rows_async<F: Float>(
 }
 
 /// Stages `rows` entries of two `[batch, heads, seq]` f32 vectors (the LSE and D of a query
-/// block, laid out as `a_layout`, `b_layout`) with 4-byte asynchronous copies: `a` at `offset`, `b` at `offset + rows`, visible
-/// once the barrier they are committed to has been waited on (as [`stage_rows_async`]).
-/// Entries past the end of the sequence repeat the last one.
+/// block, laid out as `a_layout` and `b_layout`) with 4-byte asynchronous copies: `a` at
+/// `offset`, `b` at `offset + rows`, visible once the barrier they are committed to has been
+/// waited on (as [`stage_rows_async`]). Entries past the end of the sequence repeat the last
+/// one.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_vectors_async(

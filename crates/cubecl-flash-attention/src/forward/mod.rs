@@ -79,12 +79,11 @@ pub fn forward_into(
                 problem.seq_q.div_ceil(config.block_rows()) as u32,
                 1,
             );
-            let rows = [
+            let (q_rows, k_rows, v_rows) = (
                 q.row_layout("query")?,
                 k.row_layout("key")?,
                 v.row_layout("value")?,
-            ];
-            let [q_rows, k_rows, v_rows] = rows;
+            );
             unsafe {
                 flash_forward_mma::launch_unchecked(
                     client,
