@@ -356,8 +356,11 @@ pub const MIN_FOLDED_SCALE: f32 = 1e-20;
 const MMA_SYNC_REGISTER_BUDGET: usize = 192;
 
 /// Picks the register-level tiles for `problem`: 4 planes; two 16-row query tiles per plane
-/// and 64-key blocks where the accumulators fit the register budget, one tile and smaller
-/// blocks for large head dims.
+/// and 128-key blocks where those accumulators fit the register budget (head dims up to 64,
+/// as FA2; Q fragments then come from shared memory each block: holding them too spilled),
+/// else 64-key blocks, one tile and smaller blocks for large head dims. Measured on the H200
+/// (bf16, d = 64, docs/benchmarks.md): 128-key blocks ran the forward −1…+5% faster than
+/// 64-key blocks with Q in registers.
 pub fn choose_register_mma_tiles(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
@@ -396,6 +399,7 @@ pub fn choose_register_mma_tiles(
         q_in_registers: true,
     };
     let candidates = [
+        (2, 128, false),
         (2, 64, true),
         (2, 64, false),
         (1, 64, true),
@@ -807,13 +811,12 @@ mod tests {
                 assert_eq!(c.dim_v_padded() % FRAGMENT, 0);
             }
         }
-        // Two query tiles per plane where they fit; one for the largest head dims.
-        assert_eq!(
-            choose_register_mma_tiles(&problem(64, 64), &NVIDIA)
-                .unwrap()
-                .m_tiles,
-            2
-        );
+        // Two query tiles per plane where they fit; one for the largest head dims. 128-key
+        // blocks up to d = 64, 64-key blocks above.
+        let c = choose_register_mma_tiles(&problem(64, 64), &NVIDIA).unwrap();
+        assert_eq!((c.m_tiles, c.block_kv, c.q_in_registers), (2, 128, false));
+        let c = choose_register_mma_tiles(&problem(128, 128), &NVIDIA).unwrap();
+        assert_eq!((c.m_tiles, c.block_kv), (2, 64));
         assert_eq!(
             choose_register_mma_tiles(&problem(128, 128), &NVIDIA)
                 .unwrap()
