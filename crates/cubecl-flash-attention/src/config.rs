@@ -818,12 +818,6 @@ mod tests {
         let c = choose_register_mma_tiles(&problem(128, 128), &NVIDIA).unwrap();
         assert_eq!((c.m_tiles, c.block_kv), (2, 64));
         assert_eq!(
-            choose_register_mma_tiles(&problem(128, 128), &NVIDIA)
-                .unwrap()
-                .m_tiles,
-            2
-        );
-        assert_eq!(
             choose_register_mma_tiles(&problem(256, 256), &NVIDIA)
                 .unwrap()
                 .m_tiles,
