@@ -250,7 +250,7 @@ pub fn choose_mma_tiles(
             problem.dtype
         )));
     }
-    if limits.plane_size % FRAGMENT != 0 {
+    if !limits.plane_size.is_multiple_of(FRAGMENT) {
         return Err(FlashError::Unavailable(format!(
             "the tensor-core path needs a plane size that is a multiple of {FRAGMENT}, the device has {}",
             limits.plane_size
@@ -372,13 +372,16 @@ pub fn choose_register_mma_tiles(
             problem.dtype
         )));
     }
-    if problem.dim_qk % 8 != 0 || problem.dim_v % 8 != 0 {
+    if !problem.dim_qk.is_multiple_of(8) || !problem.dim_v.is_multiple_of(8) {
         return Err(FlashError::Unavailable(format!(
             "the register-level path copies 16-byte rows: head dims {}/{} must be multiples of 8",
             problem.dim_qk, problem.dim_v
         )));
     }
-    if problem.options.softcap.is_none() && !(problem.scale() >= MIN_FOLDED_SCALE) {
+    // Written negated so that a NaN scale is refused too.
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+    let scale_too_small = !(problem.scale() >= MIN_FOLDED_SCALE);
+    if problem.options.softcap.is_none() && scale_too_small {
         return Err(FlashError::Unavailable(format!(
             "the register-level forward takes row maxima of unscaled scores and folds the \
              softmax scale into the exponent's multiply-add, which needs a scale of at least \
@@ -502,12 +505,12 @@ impl RegisterBackwardConfig {
     /// fragments not a multiple of the parts).
     pub fn dq_split(&self) -> Option<DqSplit> {
         let groups = self.block_stream / FRAGMENT;
-        if groups == 0 || self.planes % groups != 0 {
+        if groups == 0 || !self.planes.is_multiple_of(groups) {
             return None;
         }
         let parts = self.planes / groups;
         let fragments = self.dim_qk_padded() / FRAGMENT;
-        (fragments % parts == 0).then_some(DqSplit {
+        fragments.is_multiple_of(parts).then_some(DqSplit {
             groups,
             width: fragments / parts * FRAGMENT,
         })

@@ -161,7 +161,9 @@ pub(crate) fn grid(
 /// Whether every row of `t` starts on a 16-byte boundary and is contiguous.
 pub(crate) fn readable_by_16_byte_copies(t: &DeviceTensor, elem: usize) -> bool {
     let offset = t.handle.offset_start.unwrap_or(0) as usize;
-    t.strides[3] == 1 && t.strides[..3].iter().all(|s| (s * elem) % 16 == 0) && offset % 16 == 0
+    t.strides[3] == 1
+        && t.strides[..3].iter().all(|s| (s * elem).is_multiple_of(16))
+        && offset.is_multiple_of(16)
 }
 
 #[cfg(test)]
