@@ -729,7 +729,8 @@ mod tests {
 
     #[test]
     fn mma_tiles_fit_shared_memory_on_every_device() {
-        let kernels: [(&str, fn(&MmaConfig, usize) -> usize); 3] = [
+        type SharedBytes = fn(&MmaConfig, usize) -> usize;
+        let kernels: [(&str, SharedBytes); 3] = [
             ("forward", crate::forward::cmma_shared_bytes),
             ("dK/dV", crate::backward::dkdv_cmma_shared_bytes),
             ("dQ", crate::backward::dq_cmma_shared_bytes),

@@ -94,7 +94,7 @@ impl Dims {
     }
     fn group(&self) -> usize {
         assert!(
-            self.heads_kv > 0 && self.heads_q % self.heads_kv == 0,
+            self.heads_kv > 0 && self.heads_q.is_multiple_of(self.heads_kv),
             "heads_q ({}) must be a multiple of heads_kv ({})",
             self.heads_q,
             self.heads_kv

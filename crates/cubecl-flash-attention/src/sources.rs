@@ -496,7 +496,10 @@ fn kernels(
             )) as Box<dyn CubeKernel>
         }),
     ));
-    if limits.has_register_mma(problem.dtype) && problem.dim_qk % 8 == 0 && problem.dim_v % 8 == 0 {
+    if limits.has_register_mma(problem.dtype)
+        && problem.dim_qk.is_multiple_of(8)
+        && problem.dim_v.is_multiple_of(8)
+    {
         kernels.push((
             "forward_mma",
             register_mma_config(problem, limits).map_err(err).map(|c| {

@@ -275,7 +275,8 @@ pub fn stage_rows_async<F: Float>(
     let row_stride = usize::cast_from(layout.row_stride);
     let per_row = comptime!(padded / COPY);
     let total = comptime!(rows * per_row);
-    let regular = comptime!(dim == padded && units % per_row == 0 && total % units == 0);
+    let regular =
+        comptime!(dim == padded && units.is_multiple_of(per_row) && total.is_multiple_of(units));
     if comptime!(regular) && first + rows <= seq {
         let rows_per_pass = comptime!(units / per_row);
         let r = UNIT_POS as usize / per_row;
@@ -335,7 +336,7 @@ pub fn stage_vectors_async(
     #[unroll]
     for pass in 0..comptime!((2 * rows).div_ceil(units)) {
         let idx = pass * units + UNIT_POS as usize;
-        if comptime!((2 * rows) % units == 0) || idx < 2 * rows {
+        if comptime!((2 * rows).is_multiple_of(units)) || idx < 2 * rows {
             let r = idx % rows;
             let row = min(first + r, last);
             if idx < rows {
