@@ -322,6 +322,16 @@ pub fn catalogue() -> Vec<Case> {
             softcap: Some(2.0),
             ..case(dims(1, 2, 1, 128, 97, 256, 256))
         },
+        // d = 128 both ways (on sm_90 the backward's warpgroup products): GQA with a
+        // softcap, and causal with s_q > s_kv.
+        Case {
+            softcap: Some(5.0),
+            ..case(dims(2, 4, 2, 97, 300, 128, 128))
+        },
+        Case {
+            causal: true,
+            ..case(dims(1, 2, 1, 200, 129, 128, 128))
+        },
     ]
 }
 

@@ -1,5 +1,7 @@
 //! Compile-time shape of a kernel variant, and the one pure function that picks it.
 
+use cubecl::ir::features::Tma;
+
 use crate::error::FlashError;
 use crate::problem::{AttentionProblem, FloatDtype};
 
@@ -45,6 +47,10 @@ pub struct DeviceLimits {
     /// Atomic addition of two neighbouring f32 values in one instruction
     /// (`red.global.add.v2.f32`, CUDA sm_90+).
     pub paired_f32_atomics: bool,
+    /// Warpgroup-level products (`wgmma.mma_async`), which CUDA has on sm_90 alone: the
+    /// runtime marks sm_90 and later with the tensor memory accelerator, and sm_100 and
+    /// later also with its wide im2col mode.
+    pub warpgroup_mma: bool,
 }
 
 impl DeviceLimits {
@@ -67,6 +73,8 @@ impl DeviceLimits {
                     cubecl::ir::Type::new(FloatDtype::F32.elem_type()).with_vector_size(2),
                 ))
                 .contains(cubecl::ir::features::AtomicUsage::Add),
+            warpgroup_mma: props.features.tma.contains(Tma::Base)
+                && !props.features.tma.contains(Tma::Im2colWide),
         }
     }
 
@@ -453,6 +461,13 @@ pub struct RegisterBackwardConfig {
     /// Those atomics add two neighbouring values per instruction
     /// ([`DeviceLimits::paired_f32_atomics`]).
     pub paired_atomics: bool,
+    /// The dK/dV and dQ kernels' products on warpgroup instructions ([`crate::wgmma`]) for
+    /// inputs of this dtype, their shared tiles in core matrices: sm_90, cubes of 4 planes
+    /// (one warpgroup), 64-row blocks, `d_qk = d_v ∈ {64, 128}`, dQ in its own pass
+    /// ([`warpgroup_backward`]). Off unless asked for (`FLASH_WGMMA`, see
+    /// `backward::tuned`): correct, but measured 10–20% slower than `mma.sync` on the
+    /// H200 (docs/benchmarks.md).
+    pub warpgroup: Option<FloatDtype>,
 }
 
 /// How the dK/dV kernel with [`RegisterBackwardConfig::atomic_dq`] shares a query block's
@@ -497,6 +512,11 @@ impl RegisterBackwardConfig {
             self.block_rows() * RegisterMmaConfig::stride(self.block_stream)
         } else {
             0
+        };
+        // Core matrices need no padding.
+        let row = match self.warpgroup {
+            Some(_) => self.dim_qk_padded() + self.dim_v_padded(),
+            None => row,
         };
         elem * (row * (self.block_rows() + 2 * self.block_stream) + scores)
     }
@@ -590,6 +610,7 @@ pub fn choose_register_backward_tiles(
                 split,
                 atomic_dq,
                 paired_atomics: limits.paired_f32_atomics,
+                warpgroup: None,
             },
         )
         .find(|c| {
@@ -604,6 +625,25 @@ pub fn choose_register_backward_tiles(
                 problem.dim_qk, problem.dim_v, limits.max_shared_memory
             ))
         })
+}
+
+/// The input dtype of the dK/dV kernel's warpgroup products for `config`
+/// ([`RegisterBackwardConfig::warpgroup`]), or `None` where they do not apply: a device
+/// without them, atomic dQ or split launches, tiles other than 4 planes × 64-query blocks,
+/// head dims other than `d_qk = d_v ∈ {64, 128}` (each product is 64 columns wide).
+pub fn warpgroup_backward(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+    config: &RegisterBackwardConfig,
+) -> Option<FloatDtype> {
+    (limits.warpgroup_mma
+        && limits.has_register_mma(problem.dtype)
+        && !config.atomic_dq
+        && !config.split
+        && (config.planes, config.block_stream) == (4, 64)
+        && problem.dim_qk == problem.dim_v
+        && matches!(problem.dim_qk, 64 | 128))
+    .then_some(problem.dtype)
 }
 
 /// Applies the tuning override in environment variable `var` (comma-separated numbers) to
@@ -684,6 +724,7 @@ mod tests {
         mma_sync_f16: true,
         mma_sync_bf16: true,
         paired_f32_atomics: true,
+        warpgroup_mma: true,
     };
     const AMD: DeviceLimits = DeviceLimits {
         max_shared_memory: 65_536,
@@ -695,6 +736,7 @@ mod tests {
         mma_sync_f16: false,
         mma_sync_bf16: false,
         paired_f32_atomics: false,
+        warpgroup_mma: false,
     };
     const WEBGPU: DeviceLimits = DeviceLimits {
         max_shared_memory: 16_384,
@@ -706,6 +748,7 @@ mod tests {
         mma_sync_f16: false,
         mma_sync_bf16: false,
         paired_f32_atomics: false,
+        warpgroup_mma: false,
     };
 
     #[test]
@@ -896,6 +939,28 @@ mod tests {
             assert_eq!(split.groups * FRAGMENT, c.block_stream);
             assert_eq!(parts * split.width, c.dim_qk_padded(), "d={d}");
         }
+        // Warpgroup products apply on sm_90 where dQ has its own pass and the head dims are
+        // 64 or 128, nowhere else; the heuristic leaves them off.
+        let warpgroup = |p: &AttentionProblem, limits: &DeviceLimits| {
+            let c = choose_register_backward_tiles(p, limits).unwrap();
+            assert_eq!(c.warpgroup, None);
+            warpgroup_backward(p, limits, &c)
+        };
+        let sm80 = DeviceLimits {
+            warpgroup_mma: false,
+            ..NVIDIA
+        };
+        for (d, applies) in [(40, false), (64, true), (96, false), (128, true)] {
+            let p = problem(d, d);
+            assert_eq!(
+                warpgroup(&p, &NVIDIA),
+                applies.then_some(FloatDtype::F16),
+                "d={d}"
+            );
+            assert_eq!(warpgroup(&p, &sm80), None, "d={d}");
+        }
+        assert_eq!(warpgroup(&long(128), &NVIDIA), None);
+        assert_eq!(warpgroup(&problem(128, 64), &NVIDIA), None);
         // d40 pads to three 16-column fragments: two parts cannot share them.
         let c = choose_register_backward_tiles(&long(40), &NVIDIA).unwrap();
         assert!(!c.atomic_dq && c.planes == 4);

@@ -23,6 +23,7 @@ pub mod softmax;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod sources;
 pub mod tile;
+pub mod wgmma;
 
 pub use config::{DeviceLimits, KernelPath, TileConfig};
 pub use error::FlashError;

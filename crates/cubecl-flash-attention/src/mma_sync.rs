@@ -195,7 +195,7 @@ fn ldmatrix_x4<F: Float>(
 /// The `.shared` window address of `tile[0]` (a pure function of the tile: computed once
 /// per kernel, however many loads use it).
 #[cube]
-fn shared_address<F: Float>(tile: &Shared<[F]>) -> u32 {
+pub(crate) fn shared_address<F: Float>(tile: &Shared<[F]>) -> u32 {
     let pointer = unsafe { tile.as_ptr_unchecked() };
     let address: u32;
     gpu_asm!(

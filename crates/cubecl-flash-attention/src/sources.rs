@@ -25,7 +25,9 @@ use crate::backward::{
     flash_backward_dq, flash_backward_dq_cmma, flash_backward_dq_from_sum, flash_backward_dq_mma,
     register_backward_config,
 };
-use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
+use crate::config::{
+    ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients, RegisterBackwardConfig, warpgroup_backward,
+};
 use crate::forward::{
     flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
     register_mma_config,
@@ -158,6 +160,9 @@ mod cuda {
         }
         props.features.copy_async = true;
         if version(target) >= 90 {
+            // The tensor memory accelerator, as the runtime registers it on sm_90 and later:
+            // the mark of the warpgroup products (`DeviceLimits::warpgroup_mma`).
+            props.features.tma.insert(cubecl::ir::features::Tma::Base);
             // Paired f32 atomic additions (`red.global.add.v2.f32`), as the runtime registers
             // them on sm_90 with CUDA ≥ 12.8.
             props.register_atomic_type_usage(
@@ -537,92 +542,107 @@ fn kernels(
                 seq_q: problem.seq_q.max(ATOMIC_DQ_MIN_SEQ_Q),
                 ..*problem
             };
-            let Ok(c) = register_backward_config(&problem, limits) else {
+            let Ok(default) = register_backward_config(&problem, limits) else {
                 continue;
             };
-            for &gradients in c.key_gradients() {
-                let name = match gradients {
-                    KeyGradients::Both if c.atomic_dq => "backward_dkdv_dq_mma",
-                    KeyGradients::Both => "backward_dkdv_mma",
-                    KeyGradients::Keys => "backward_dk_mma",
-                    KeyGradients::Values => "backward_dv_mma",
-                };
+            // And, where they apply (sm_90), the kernels on warpgroup products, which run
+            // when asked for (`FLASH_WGMMA`).
+            let warpgroup = warpgroup_backward(&problem, limits, &default).map(|dtype| {
+                RegisterBackwardConfig {
+                    warpgroup: Some(dtype),
+                    ..default
+                }
+            });
+            for c in std::iter::once(default).chain(warpgroup) {
+                for &gradients in c.key_gradients() {
+                    let name = match gradients {
+                        KeyGradients::Both if c.atomic_dq => "backward_dkdv_dq_mma",
+                        KeyGradients::Both if c.warpgroup.is_some() => "backward_dkdv_wgmma",
+                        KeyGradients::Both => "backward_dkdv_mma",
+                        KeyGradients::Keys => "backward_dk_mma",
+                        KeyGradients::Values => "backward_dv_mma",
+                    };
+                    kernels.push((
+                        name,
+                        Ok(Box::new(
+                            flash_backward_dkdv_mma::FlashBackwardDkdvMma::new(
+                                settings(c.units()),
+                                props.clone(),
+                                tprops.clone(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                tensor(),
+                                row_layout(),
+                                row_layout(),
+                                row_layout(),
+                                row_layout(),
+                                row_layout(),
+                                row_layout(),
+                                row_layout(),
+                                (),
+                                (),
+                                (),
+                                (),
+                                c,
+                                gradients,
+                                elem,
+                            ),
+                        )),
+                    ));
+                }
+                if c.atomic_dq {
+                    kernels.push((
+                        "backward_dq_from_sum",
+                        Ok(Box::new(
+                            flash_backward_dq_from_sum::FlashBackwardDqFromSum::new(
+                                settings(256),
+                                props.clone(),
+                                tprops.clone(),
+                                tensor(),
+                                tensor(),
+                                (),
+                                elem,
+                            ),
+                        )),
+                    ));
+                    continue;
+                }
                 kernels.push((
-                    name,
-                    Ok(Box::new(
-                        flash_backward_dkdv_mma::FlashBackwardDkdvMma::new(
-                            settings(c.units()),
-                            props.clone(),
-                            tprops.clone(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            row_layout(),
-                            row_layout(),
-                            row_layout(),
-                            row_layout(),
-                            row_layout(),
-                            row_layout(),
-                            row_layout(),
-                            (),
-                            (),
-                            (),
-                            (),
-                            c,
-                            gradients,
-                            elem,
-                        ),
-                    )),
+                    if c.warpgroup.is_some() {
+                        "backward_dq_wgmma"
+                    } else {
+                        "backward_dq_mma"
+                    },
+                    Ok(Box::new(flash_backward_dq_mma::FlashBackwardDqMma::new(
+                        settings(c.units()),
+                        props.clone(),
+                        tprops.clone(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        row_layout(),
+                        row_layout(),
+                        row_layout(),
+                        row_layout(),
+                        (),
+                        (),
+                        (),
+                        (),
+                        c,
+                        elem,
+                    ))),
                 ));
             }
-            if c.atomic_dq {
-                kernels.push((
-                    "backward_dq_from_sum",
-                    Ok(Box::new(
-                        flash_backward_dq_from_sum::FlashBackwardDqFromSum::new(
-                            settings(256),
-                            props.clone(),
-                            tprops.clone(),
-                            tensor(),
-                            tensor(),
-                            (),
-                            elem,
-                        ),
-                    )),
-                ));
-                continue;
-            }
-            kernels.push((
-                "backward_dq_mma",
-                Ok(Box::new(flash_backward_dq_mma::FlashBackwardDqMma::new(
-                    settings(c.units()),
-                    props.clone(),
-                    tprops.clone(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    row_layout(),
-                    row_layout(),
-                    row_layout(),
-                    row_layout(),
-                    (),
-                    (),
-                    (),
-                    (),
-                    c,
-                    elem,
-                ))),
-            ));
         }
     }
     if !limits.has_tensor_cores(problem.dtype) {

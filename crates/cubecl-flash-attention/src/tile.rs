@@ -244,21 +244,66 @@ pub fn write_rows<F: Float>(
 /// Elements of one 16-byte asynchronous copy.
 const COPY: usize = 8;
 
-/// [`stage_rows`] with 16-byte asynchronous copies (`cp.async`) into `tile` at `offset`, the
-/// rows of `t` found through `layout` (its [`RowLayout`]). The copies have not landed when
-/// this returns; a barrier the cube commits them to (`Barrier::commit_copy_async`) and
-/// waits on makes them visible. Rows past the end of the sequence and the padding columns
-/// are zeroed with plain stores, visible after the same wait. Needs `dim % 8 == 0`, a unit column stride, other strides multiples of 8 and a
+/// How a tile of rows is laid out in shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SharedLayout {
+    /// Row `r` at `r · stride`: read by `ldmatrix`, whose lanes address one 16-byte row
+    /// each (a padded stride keeps their banks apart).
+    Rows { stride: usize },
+    /// Core matrices of 8 rows × 16 bytes, each 128 contiguous bytes, as the warpgroup
+    /// products read a shared operand without swizzling ([`crate::wgmma`]): the 8-row
+    /// groups one after the other, each holding its `cols / 8` core matrices in column
+    /// order.
+    CoreMatrices { cols: usize },
+}
+
+impl SharedLayout {
+    pub const fn rows(stride: usize) -> Self {
+        Self::Rows { stride }
+    }
+    /// Elements of a tile of `rows` rows.
+    pub const fn len(&self, rows: usize) -> usize {
+        match *self {
+            Self::Rows { stride } => rows * stride,
+            Self::CoreMatrices { cols } => rows * cols,
+        }
+    }
+}
+
+/// Element offset of row `r`, column `c` (a multiple of 8 for [`SharedLayout::CoreMatrices`])
+/// in a tile laid out as `layout`.
+#[cube]
+pub fn shared_offset(r: usize, c: usize, #[comptime] layout: SharedLayout) -> usize {
+    let blocked = comptime!(matches!(layout, SharedLayout::CoreMatrices { .. }));
+    let stride = comptime!(match layout {
+        SharedLayout::Rows { stride } => stride,
+        SharedLayout::CoreMatrices { cols } => 8 * cols,
+    });
+    if comptime!(blocked) {
+        (r / 8) * stride + (r % 8) * COPY + c * COPY
+    } else {
+        r * stride + c
+    }
+}
+
+/// [`stage_rows`] with 16-byte asynchronous copies (`cp.async`) into `tile` at `offset`, laid
+/// out as `layout`, the rows of `t` found through `rows_of` (its [`RowLayout`]). The copies
+/// have not landed when this returns; a barrier the cube commits them to
+/// (`Barrier::commit_copy_async`) and waits on makes them visible. Rows past the end of the
+/// sequence and the padding columns are zeroed with plain stores, visible after the same
+/// wait. Needs `dim % 8 == 0`, a unit column stride, other strides multiples of 8 and a
 /// 16-byte aligned buffer (see the launcher's checks).
 ///
 /// A block wholly inside the sequence whose copies divide evenly among the units (the
 /// common case) takes a path without per-row checks: each unit copies the same 16 bytes of
-/// every `units / per_row`-th row, one address increment apart.
+/// every `units / per_row`-th row, one address increment apart. Neighbouring units write
+/// neighbouring 16 bytes of shared memory: the same row's next columns in rows, the next
+/// row of the same core matrix in core matrices.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows_async<F: Float>(
     t: &Tensor<F>,
-    layout: &RowLayout,
+    rows_of: &RowLayout,
     batch: usize,
     head: usize,
     first: usize,
@@ -267,27 +312,43 @@ pub fn stage_rows_async<F: Float>(
     #[comptime] rows: usize,
     #[comptime] dim: usize,
     #[comptime] padded: usize,
-    #[comptime] stride: usize,
+    #[comptime] layout: SharedLayout,
     #[comptime] units: usize,
 ) {
-    let seq = layout.rows();
-    let base = layout.offset(batch, head, 0);
-    let row_stride = usize::cast_from(layout.row_stride);
+    let seq = rows_of.rows();
+    let base = rows_of.offset(batch, head, 0);
+    let row_stride = usize::cast_from(rows_of.row_stride);
     let per_row = comptime!(padded / COPY);
     let total = comptime!(rows * per_row);
-    let regular =
-        comptime!(dim == padded && units.is_multiple_of(per_row) && total.is_multiple_of(units));
+    let blocked = comptime!(matches!(layout, SharedLayout::CoreMatrices { .. }));
+    let regular = comptime!(
+        dim == padded
+            && units.is_multiple_of(per_row)
+            && total.is_multiple_of(units)
+            && (!blocked || (units / per_row).is_multiple_of(8))
+    );
     if comptime!(regular) && first + rows <= seq {
         let rows_per_pass = comptime!(units / per_row);
-        let r = UNIT_POS as usize / per_row;
-        let c = (UNIT_POS as usize % per_row) * COPY;
+        let unit = UNIT_POS as usize;
+        // Eight neighbouring units write one core matrix.
+        let r = if comptime!(blocked) {
+            unit % 8 + (unit / (8 * per_row)) * 8
+        } else {
+            unit / per_row
+        };
+        let c = if comptime!(blocked) {
+            ((unit / 8) % per_row) * COPY
+        } else {
+            (unit % per_row) * COPY
+        };
         let src = base + (first + r) * row_stride + c;
-        let dst = offset + r * stride + c;
+        let dst = offset + shared_offset(r, c, layout);
         let src_pass = rows_per_pass * row_stride;
+        let dst_pass = comptime!(layout.len(rows_per_pass));
         #[unroll]
         for pass in 0..comptime!(total / units) {
             let from = src + pass * src_pass;
-            let to = dst + comptime!(pass * rows_per_pass * stride);
+            let to = dst + comptime!(pass * dst_pass);
             copy_async(&t[from..from + COPY], &mut tile[to..to + COPY], COPY as u32);
         }
     } else {
@@ -297,7 +358,7 @@ pub fn stage_rows_async<F: Float>(
             if comptime!(total % units == 0) || idx < total {
                 let r = idx / per_row;
                 let c = (idx % per_row) * COPY;
-                let dst = offset + r * stride + c;
+                let dst = offset + shared_offset(r, c, layout);
                 if first + r < seq && c < dim {
                     let src = base + (first + r) * row_stride + c;
                     copy_async(&t[src..src + COPY], &mut tile[dst..dst + COPY], COPY as u32);

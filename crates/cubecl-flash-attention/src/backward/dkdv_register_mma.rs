@@ -17,6 +17,13 @@
 //! the block's dQ from them and the cube's K rows. Otherwise no atomics (dQ has its own
 //! pass): deterministic.
 //!
+//! On sm_90, for `d_qk = d_v ∈ {64, 128}` with dQ in its own pass
+//! ([`RegisterBackwardConfig::warpgroup`]), the products run on warpgroup instructions
+//! ([`crate::wgmma`]) and the shared tiles are staged as core matrices: `Sᵀ` and `dPᵀ` of
+//! the cube's 64 keys are one product each, both operands read by the tensor cores from
+//! shared memory, and `dV`, `dK` take `Pᵀ`, `dSᵀ` from registers against dO, Q in shared
+//! memory. Every step in between is the same code.
+//!
 //! For large head dims a launch accumulates dK or dV alone ([`KeyGradients`]), the
 //! launcher running both. The softmax scale multiplies `dK` once, in the epilogue.
 
@@ -29,8 +36,14 @@ use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
     store_pair, store_row, zeros,
 };
+use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{RowLayout, stage_rows_async, stage_vectors_async};
+use crate::tile::{RowLayout, SharedLayout, stage_rows_async, stage_vectors_async};
+use crate::wgmma::{
+    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, WARPGROUP_K, descriptor,
+    fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
+    shared_product_pair, unpack,
+};
 
 use super::dq_atomic::add_dq_share;
 
@@ -82,8 +95,22 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     // A launch without dK (dV) keeps a token accumulator of one tile.
     let dk_tiles = comptime!(if with_dk { dqk / TILE_COLS } else { 1 });
     let dv_tiles = comptime!(if with_dv { dvp / TILE_COLS } else { 1 });
-    let q_stage = comptime!(block_q * qk_ld);
-    let do_stage = comptime!(block_q * v_ld);
+    // Warpgroup products read their shared operands as core matrices.
+    let warpgroup = comptime!(config.warpgroup.is_some());
+    let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
+    let qk_layout = comptime!(if warpgroup {
+        SharedLayout::CoreMatrices { cols: dqk }
+    } else {
+        SharedLayout::rows(qk_ld)
+    });
+    let v_layout = comptime!(if warpgroup {
+        SharedLayout::CoreMatrices { cols: dvp }
+    } else {
+        SharedLayout::rows(v_ld)
+    });
+    let align = comptime!(if warpgroup { 128usize } else { 16usize });
+    let q_stage = comptime!(qk_layout.len(block_q));
+    let do_stage = comptime!(v_layout.len(block_q));
     // LSE then D of the block's queries.
     let stats_stage = comptime!(2 * block_q);
     // dSᵀ of the block, for dQ (a token tile without).
@@ -109,10 +136,10 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let k_end = min(k_begin + block_k, seq_kv);
     let plane_row = PLANE_POS as usize * FRAGMENT;
 
-    let mut k_tile = Shared::<[F]>::new_aligned_slice(block_k * qk_ld, 16usize);
-    let mut v_tile = Shared::<[F]>::new_aligned_slice(block_k * v_ld, 16usize);
-    let mut q_tile = Shared::<[F]>::new_aligned_slice(2 * q_stage, 16usize);
-    let mut do_tile = Shared::<[F]>::new_aligned_slice(2 * do_stage, 16usize);
+    let mut k_tile = Shared::<[F]>::new_aligned_slice(comptime!(qk_layout.len(block_k)), align);
+    let mut v_tile = Shared::<[F]>::new_aligned_slice(comptime!(v_layout.len(block_k)), align);
+    let mut q_tile = Shared::<[F]>::new_aligned_slice(2 * q_stage, align);
+    let mut do_tile = Shared::<[F]>::new_aligned_slice(2 * do_stage, align);
     let mut stats_tile = Shared::<[f32]>::new_aligned_slice(2 * stats_stage, 16usize);
     let ds_tile = Shared::<[F]>::new_aligned_slice(ds_len, 16usize);
     let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
@@ -143,7 +170,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             block_k,
             config.dim_qk,
             dqk,
-            qk_ld,
+            qk_layout,
             units,
         );
         stage_rows_async(
@@ -157,7 +184,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             block_k,
             config.dim_v,
             dvp,
-            v_ld,
+            v_layout,
             units,
         );
         let q0 = usize::cast_from(blocks.first);
@@ -173,7 +200,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             block_q,
             config.dim_qk,
             dqk,
-            qk_ld,
+            qk_layout,
             units,
         );
         stage_rows_async(
@@ -187,7 +214,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             block_q,
             config.dim_v,
             dvp,
-            v_ld,
+            v_layout,
             units,
         );
         stage_vectors_async(
@@ -218,6 +245,10 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         } else {
             landed_1.arrive_and_wait();
         }
+        if comptime!(warpgroup) {
+            fence_shared_for_products();
+            sync_cube();
+        }
         if step + 1 < steps {
             let next_head = head_kv * group_size + usize::cast_from((step + 1) / blocks.count);
             let next_q0 = usize::cast_from(blocks.start((step + 1) % blocks.count, block_q));
@@ -232,7 +263,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 block_q,
                 config.dim_qk,
                 dqk,
-                qk_ld,
+                qk_layout,
                 units,
             );
             stage_rows_async(
@@ -246,7 +277,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 block_q,
                 config.dim_v,
                 dvp,
-                v_ld,
+                v_layout,
                 units,
             );
             stage_vectors_async(
@@ -292,8 +323,25 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 dp_acc[i] = Pair::<f32>::cast_from(0.0f32);
             }
         }
+        if comptime!(warpgroup) {
+            // One warpgroup product each: the cube's 64 keys × the block's 64 queries.
+            let keys = comptime!(SharedOperand::new(dqk, Major::K));
+            let values = comptime!(SharedOperand::new(dvp, Major::K));
+            let acc = shared_product_pair(
+                descriptor(&k_tile, 0, keys),
+                descriptor(&q_tile, q_base, keys),
+                descriptor(&v_tile, 0, values),
+                descriptor(&do_tile, do_base, values),
+                keys,
+                keys,
+                comptime!(dqk / WARPGROUP_K),
+                dtype,
+            );
+            unpack(acc, 0usize, &mut s_acc, 0);
+            unpack(acc, ACCUMULATORS, &mut dp_acc, 0);
+        }
         #[unroll]
-        for kk in 0..comptime!(dqk / FRAGMENT) {
+        for kk in 0..comptime!(if warpgroup { 0 } else { dqk / FRAGMENT }) {
             let kf = load_a(&k_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld, LOADS);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
@@ -308,7 +356,11 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             }
         }
         #[unroll]
-        for kk in 0..comptime!(if with_dk { dvp / FRAGMENT } else { 0 }) {
+        for kk in 0..comptime!(if with_dk && !warpgroup {
+            dvp / FRAGMENT
+        } else {
+            0
+        }) {
             let vf = load_a(&v_tile, plane_row * v_ld + kk * FRAGMENT, v_ld, LOADS);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
@@ -385,9 +437,39 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             }
         }
 
-        // 3. dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries per step.
+        // 3. dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries per step (warpgroup products: all 64
+        // queries, 64 columns of dV or dK per product).
+        if comptime!(warpgroup) {
+            if comptime!(dvp == 128) {
+                key_gradient_products::<F, Const<128>, Const<8>>(
+                    &mut dv_acc,
+                    &mut dk_acc,
+                    &s_acc,
+                    &dp_acc,
+                    &do_tile,
+                    do_base,
+                    &q_tile,
+                    q_base,
+                    dvp,
+                    dtype,
+                );
+            } else {
+                key_gradient_products::<F, Const<64>, Const<4>>(
+                    &mut dv_acc,
+                    &mut dk_acc,
+                    &s_acc,
+                    &dp_acc,
+                    &do_tile,
+                    do_base,
+                    &q_tile,
+                    q_base,
+                    dvp,
+                    dtype,
+                );
+            }
+        }
         #[unroll]
-        for kk in 0..comptime!(block_q / FRAGMENT) {
+        for kk in 0..comptime!(if warpgroup { 0 } else { block_q / FRAGMENT }) {
             let pf = accumulators_as_a::<F>(&s_acc, 2 * kk);
             #[unroll]
             for n in 0..comptime!(if with_dv { dv_tiles / 2 } else { 0 }) {
@@ -466,5 +548,66 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 );
             }
         }
+    }
+}
+
+/// `dV += Pᵀ·dO` and `dK += dSᵀ·Q` on warpgroup instructions, all 64 queries of the block at
+/// once, in one PTX block: `Pᵀ` (`p_t`) and `dSᵀ` (`ds_t`) from registers, dO and Q staged as
+/// core matrices. `N` is 32 accumulators per 64-column product (`dim / 64` each for dV and
+/// dK), `M` two descriptor halves per product.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn key_gradient_products<F: Float, N: Size, M: Size>(
+    dv_acc: &mut Array<Pair<f32>>,
+    dk_acc: &mut Array<Pair<f32>>,
+    p_t: &Array<Pair<f32>>,
+    ds_t: &Array<Pair<f32>>,
+    do_tile: &Shared<[F]>,
+    do_base: usize,
+    q_tile: &Shared<[F]>,
+    q_base: usize,
+    #[comptime] dim: usize,
+    #[comptime] dtype: FloatDtype,
+) {
+    let chunks = comptime!(dim / WARPGROUP_COLS);
+    let rows = comptime!(SharedOperand::new(dim, Major::MN));
+    let pairs = comptime!(ACCUMULATORS / 2);
+    let mut acc = Vector::<f32, N>::cast_from(0.0f32);
+    let mut a = Vector::<u32, Const<32>>::cast_from(0u32);
+    let mut b = Vector::<u32, M>::cast_from(0u32);
+    pack_register_a::<F>(p_t, 0, &mut a, 0usize);
+    pack_register_a::<F>(ds_t, 0, &mut a, 1usize);
+    #[unroll]
+    for j in 0..chunks {
+        let at = comptime!(rows.element(j * WARPGROUP_COLS, 0));
+        pack(&*dv_acc, j * pairs, &mut acc, comptime!(j * ACCUMULATORS));
+        pack(
+            &*dk_acc,
+            j * pairs,
+            &mut acc,
+            comptime!((chunks + j) * ACCUMULATORS),
+        );
+        pack_descriptor(descriptor(do_tile, do_base + at, rows), &mut b, j);
+        pack_descriptor(
+            descriptor(q_tile, q_base + at, rows),
+            &mut b,
+            comptime!(chunks + j),
+        );
+    }
+    let products = comptime!(RegisterProducts {
+        count: 2 * chunks,
+        a_of: [0, (chunks == 1) as usize, 1, 1],
+        b: rows,
+    });
+    let acc = register_products(acc, a, b, products, dtype);
+    #[unroll]
+    for j in 0..chunks {
+        unpack(acc, comptime!(j * ACCUMULATORS), dv_acc, j * pairs);
+        unpack(
+            acc,
+            comptime!((chunks + j) * ACCUMULATORS),
+            dk_acc,
+            j * pairs,
+        );
     }
 }

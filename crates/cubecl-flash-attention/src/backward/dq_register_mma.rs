@@ -10,6 +10,9 @@
 //! 3. `dQ += dS·K`, `dS` converted to the input dtype in registers and used as the A operand
 //!    directly (see [`crate::mma_sync`]).
 //!
+//! On sm_90, where the dK/dV kernel takes warpgroup products, so does this one (`S`, `dP`
+//! from shared memory, `dQ += dS·K` with `dS` from registers; see the dK/dV kernel).
+//!
 //! The grid is ordered as the forward's (head-major, heaviest causal query blocks first).
 //! The softmax scale multiplies `dQ` once, in the epilogue. No atomics: deterministic.
 
@@ -22,8 +25,14 @@ use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
     store_row, zeros,
 };
+use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
+use crate::tile::{Head, RowLayout, SharedLayout, last_first, row_offset, stage_rows_async};
+use crate::wgmma::{
+    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, WARPGROUP_K, descriptor,
+    fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
+    shared_product_pair, unpack,
+};
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -63,8 +72,22 @@ pub fn flash_backward_dq_mma<F: Float>(
     let v_ld = comptime!(RegisterMmaConfig::stride(dvp));
     let s_tiles = comptime!(block_k / TILE_COLS);
     let dq_tiles = comptime!(dqk / TILE_COLS);
-    let k_stage = comptime!(block_k * qk_ld);
-    let v_stage = comptime!(block_k * v_ld);
+    // Warpgroup products read their shared operands as core matrices.
+    let warpgroup = comptime!(config.warpgroup.is_some());
+    let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
+    let qk_layout = comptime!(if warpgroup {
+        SharedLayout::CoreMatrices { cols: dqk }
+    } else {
+        SharedLayout::rows(qk_ld)
+    });
+    let v_layout = comptime!(if warpgroup {
+        SharedLayout::CoreMatrices { cols: dvp }
+    } else {
+        SharedLayout::rows(v_ld)
+    });
+    let align = comptime!(if warpgroup { 128usize } else { 16usize });
+    let k_stage = comptime!(qk_layout.len(block_k));
+    let v_stage = comptime!(v_layout.len(block_k));
 
     let scale_log2 = scale * LOG2_E;
     let pre_cap = scale / softcap;
@@ -82,10 +105,10 @@ pub fn flash_backward_dq_mma<F: Float>(
     let q_end = min(q_begin + block_q, seq_q);
     let plane_row = PLANE_POS as usize * FRAGMENT;
 
-    let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, 16usize);
-    let mut do_tile = Shared::<[F]>::new_aligned_slice(block_q * v_ld, 16usize);
-    let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, 16usize);
-    let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, 16usize);
+    let mut q_tile = Shared::<[F]>::new_aligned_slice(comptime!(qk_layout.len(block_q)), align);
+    let mut do_tile = Shared::<[F]>::new_aligned_slice(comptime!(v_layout.len(block_q)), align);
+    let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, align);
+    let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, align);
     let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
@@ -119,7 +142,7 @@ pub fn flash_backward_dq_mma<F: Float>(
             block_q,
             config.dim_qk,
             dqk,
-            qk_ld,
+            qk_layout,
             units,
         );
         stage_rows_async(
@@ -133,7 +156,7 @@ pub fn flash_backward_dq_mma<F: Float>(
             block_q,
             config.dim_v,
             dvp,
-            v_ld,
+            v_layout,
             units,
         );
         stage_rows_async(
@@ -147,7 +170,7 @@ pub fn flash_backward_dq_mma<F: Float>(
             block_k,
             config.dim_qk,
             dqk,
-            qk_ld,
+            qk_layout,
             units,
         );
         stage_rows_async(
@@ -161,7 +184,7 @@ pub fn flash_backward_dq_mma<F: Float>(
             block_k,
             config.dim_v,
             dvp,
-            v_ld,
+            v_layout,
             units,
         );
         landed_0.commit_copy_async();
@@ -179,6 +202,10 @@ pub fn flash_backward_dq_mma<F: Float>(
         } else {
             landed_1.arrive_and_wait();
         }
+        if comptime!(warpgroup) {
+            fence_shared_for_products();
+            sync_cube();
+        }
         if block + 1 < blocks.count {
             let next_k0 = usize::cast_from(k0) + block_k;
             stage_rows_async(
@@ -192,7 +219,7 @@ pub fn flash_backward_dq_mma<F: Float>(
                 block_k,
                 config.dim_qk,
                 dqk,
-                qk_ld,
+                qk_layout,
                 units,
             );
             stage_rows_async(
@@ -206,7 +233,7 @@ pub fn flash_backward_dq_mma<F: Float>(
                 block_k,
                 config.dim_v,
                 dvp,
-                v_ld,
+                v_layout,
                 units,
             );
             if next == 0 {
@@ -224,8 +251,25 @@ pub fn flash_backward_dq_mma<F: Float>(
             s_acc[i] = Pair::<f32>::cast_from(0.0f32);
             dp_acc[i] = Pair::<f32>::cast_from(0.0f32);
         }
+        if comptime!(warpgroup) {
+            // One warpgroup product each: the cube's 64 queries × the block's 64 keys.
+            let qk_rows = comptime!(SharedOperand::new(dqk, Major::K));
+            let v_rows_op = comptime!(SharedOperand::new(dvp, Major::K));
+            let acc = shared_product_pair(
+                descriptor(&q_tile, 0, qk_rows),
+                descriptor(&k_tile, k_base, qk_rows),
+                descriptor(&do_tile, 0, v_rows_op),
+                descriptor(&v_tile, v_base, v_rows_op),
+                qk_rows,
+                qk_rows,
+                comptime!(dqk / WARPGROUP_K),
+                dtype,
+            );
+            unpack(acc, 0usize, &mut s_acc, 0);
+            unpack(acc, ACCUMULATORS, &mut dp_acc, 0);
+        }
         #[unroll]
-        for kk in 0..comptime!(dqk / FRAGMENT) {
+        for kk in 0..comptime!(if warpgroup { 0 } else { dqk / FRAGMENT }) {
             let qf = load_a(&q_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld, LOADS);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
@@ -240,7 +284,7 @@ pub fn flash_backward_dq_mma<F: Float>(
             }
         }
         #[unroll]
-        for kk in 0..comptime!(dvp / FRAGMENT) {
+        for kk in 0..comptime!(if warpgroup { 0 } else { dvp / FRAGMENT }) {
             let of = load_a(&do_tile, plane_row * v_ld + kk * FRAGMENT, v_ld, LOADS);
             #[unroll]
             for n in 0..comptime!(s_tiles / 2) {
@@ -301,9 +345,31 @@ pub fn flash_backward_dq_mma<F: Float>(
             dp_acc[i] = s_acc[i] * dp_acc[i];
         }
 
-        // 3. dQ += dS·K, 16 keys per step.
+        // 3. dQ += dS·K, 16 keys per step (warpgroup products: all 64 keys, 64 columns of dQ
+        // per product).
+        if comptime!(warpgroup) {
+            if comptime!(dqk == 128) {
+                query_gradient_products::<F, Const<64>, Const<4>>(
+                    &mut dq_acc,
+                    &dp_acc,
+                    &k_tile,
+                    k_base,
+                    dqk,
+                    dtype,
+                );
+            } else {
+                query_gradient_products::<F, Const<32>, Const<2>>(
+                    &mut dq_acc,
+                    &dp_acc,
+                    &k_tile,
+                    k_base,
+                    dqk,
+                    dtype,
+                );
+            }
+        }
         #[unroll]
-        for kk in 0..comptime!(block_k / FRAGMENT) {
+        for kk in 0..comptime!(if warpgroup { 0 } else { block_k / FRAGMENT }) {
             let dsf = accumulators_as_a::<F>(&dp_acc, 2 * kk);
             #[unroll]
             for n in 0..comptime!(dq_tiles / 2) {
@@ -336,5 +402,42 @@ pub fn flash_backward_dq_mma<F: Float>(
                 config.dim_qk,
             );
         }
+    }
+}
+
+/// `dQ += dS·K` on warpgroup instructions, all 64 keys of the block at once, in one PTX
+/// block: `dS` from registers, K staged as core matrices. `N` is 32 accumulators per
+/// 64-column product (`dim / 64` of them), `M` two descriptor halves per product.
+#[cube]
+fn query_gradient_products<F: Float, N: Size, M: Size>(
+    dq_acc: &mut Array<Pair<f32>>,
+    ds: &Array<Pair<f32>>,
+    k_tile: &Shared<[F]>,
+    k_base: usize,
+    #[comptime] dim: usize,
+    #[comptime] dtype: FloatDtype,
+) {
+    let chunks = comptime!(dim / WARPGROUP_COLS);
+    let rows = comptime!(SharedOperand::new(dim, Major::MN));
+    let pairs = comptime!(ACCUMULATORS / 2);
+    let mut acc = Vector::<f32, N>::cast_from(0.0f32);
+    let mut a = Vector::<u32, Const<32>>::cast_from(0u32);
+    let mut b = Vector::<u32, M>::cast_from(0u32);
+    pack_register_a::<F>(ds, 0, &mut a, 0usize);
+    #[unroll]
+    for j in 0..chunks {
+        let at = comptime!(rows.element(j * WARPGROUP_COLS, 0));
+        pack(&*dq_acc, j * pairs, &mut acc, comptime!(j * ACCUMULATORS));
+        pack_descriptor(descriptor(k_tile, k_base + at, rows), &mut b, j);
+    }
+    let products = comptime!(RegisterProducts {
+        count: chunks,
+        a_of: [0; 4],
+        b: rows,
+    });
+    let acc = register_products(acc, a, b, products, dtype);
+    #[unroll]
+    for j in 0..chunks {
+        unpack(acc, comptime!(j * ACCUMULATORS), dq_acc, j * pairs);
     }
 }

@@ -33,6 +33,7 @@ use cubecl::prelude::*;
 use crate::config::{
     DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, apply_tile_override,
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_backward_tiles,
+    warpgroup_backward,
 };
 use crate::error::FlashError;
 use crate::launch::{
@@ -189,7 +190,7 @@ pub fn backward_into(
                         softcap,
                         left,
                         right,
-                        config,
+                        warpgroup_only_for(config, "dkdv"),
                         gradients,
                         elem,
                     );
@@ -236,7 +237,7 @@ pub fn backward_into(
                     softcap,
                     left,
                     right,
-                    config,
+                    warpgroup_only_for(config, "dq"),
                     elem,
                 );
             }
@@ -394,16 +395,21 @@ pub(crate) fn register_backward_config(
     )
 }
 
-/// `config` with `FLASH_MMA_BWD_TILES=planes,block_stream` (e.g. `8,32`) applied, for tuning.
+/// `config` with `FLASH_MMA_BWD_TILES=planes,block_stream` (e.g. `8,32`) applied, for tuning;
+/// `FLASH_WGMMA=1` puts both kernels' products on warpgroup instructions where they apply
+/// ([`RegisterBackwardConfig::warpgroup`]; `dkdv` or `dq`: that kernel alone).
 fn tuned(
     config: RegisterBackwardConfig,
     problem: &AttentionProblem,
     limits: &DeviceLimits,
 ) -> Result<RegisterBackwardConfig, FlashError> {
-    apply_tile_override(
+    let config = apply_tile_override(
         "FLASH_MMA_BWD_TILES",
         "planes (1 to 16),block_stream (a multiple of 16)",
-        config,
+        RegisterBackwardConfig {
+            warpgroup: None,
+            ..config
+        },
         |config, parts| match *parts {
             [planes, block_stream]
                 if (1..=16).contains(&planes) && block_stream % 16 == 0 && block_stream > 0 =>
@@ -416,7 +422,27 @@ fn tuned(
         },
         |config| config.shared_bytes(problem.dtype.size()),
         limits,
-    )
+    )?;
+    let warpgroup = match std::env::var("FLASH_WGMMA").as_deref() {
+        Ok("1" | "dkdv" | "dq") => warpgroup_backward(problem, limits, &config),
+        _ => None,
+    };
+    Ok(RegisterBackwardConfig {
+        warpgroup,
+        ..config
+    })
+}
+
+/// `config` for the register-level backward kernel `kernel` ("dkdv" or "dq"):
+/// `FLASH_WGMMA=dkdv` (`dq`) keeps the warpgroup products in that kernel alone.
+fn warpgroup_only_for(config: RegisterBackwardConfig, kernel: &str) -> RegisterBackwardConfig {
+    match std::env::var("FLASH_WGMMA").as_deref() {
+        Ok(only @ ("dkdv" | "dq")) if only != kernel => RegisterBackwardConfig {
+            warpgroup: None,
+            ..config
+        },
+        _ => config,
+    }
 }
 
 /// Tiles of the portable dK/dV kernel: key rows in registers; Q, dO, LSE and D rows staged

@@ -24,7 +24,7 @@ use crate::mma_sync::{
     zeros,
 };
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
-use crate::tile::{Head, RowLayout, last_first, stage_rows_async};
+use crate::tile::{Head, RowLayout, SharedLayout, last_first, stage_rows_async};
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -136,7 +136,7 @@ pub fn flash_forward_mma<F: Float>(
             block_q,
             config.dim_qk,
             dqk,
-            qk_ld,
+            comptime!(SharedLayout::rows(qk_ld)),
             units,
         );
         stage_rows_async(
@@ -150,7 +150,7 @@ pub fn flash_forward_mma<F: Float>(
             block_kv,
             config.dim_qk,
             dqk,
-            qk_ld,
+            comptime!(SharedLayout::rows(qk_ld)),
             units,
         );
         k_landed_0.commit_copy_async();
@@ -165,7 +165,7 @@ pub fn flash_forward_mma<F: Float>(
             block_kv,
             config.dim_v,
             dv,
-            v_ld,
+            comptime!(SharedLayout::rows(v_ld)),
             units,
         );
         v_landed_0.commit_copy_async();
@@ -215,7 +215,7 @@ pub fn flash_forward_mma<F: Float>(
                 block_kv,
                 config.dim_qk,
                 dqk,
-                qk_ld,
+                comptime!(SharedLayout::rows(qk_ld)),
                 units,
             );
             if next == 0 {
@@ -374,7 +374,7 @@ pub fn flash_forward_mma<F: Float>(
                 block_kv,
                 config.dim_v,
                 dv,
-                v_ld,
+                comptime!(SharedLayout::rows(v_ld)),
                 units,
             );
             if next == 0 {

@@ -1,0 +1,443 @@
+//! Warpgroup-level tensor-core products for CUDA sm_90 (`wgmma.mma_async`): the four planes
+//! of a cube (one warpgroup, 128 units) multiply a 64-row A by a 64-column B in one
+//! instruction per 16 of the reduction, B (and A, or A from registers) read by the tensor
+//! cores straight from shared memory. Against `mma.sync` ([`crate::mma_sync`]), a shared
+//! operand is read once per warpgroup instead of once per plane, and never passes through
+//! registers.
+//!
+//! Shared operands are tiles in [`SharedLayout::CoreMatrices`] (no swizzling), described to
+//! the instruction by a 64-bit matrix descriptor ([`Descriptor`]): the start address, the
+//! byte distance between core matrices along the reduction (`K`, "leading") and along
+//! the rows or columns of the product (`M`/`N`, "stride"). A tile of rows is read
+//! K-major when its rows are the product's `M`/`N` (Q, K as in `K·Qᵀ`) and MN-major when
+//! its rows are the reduction (Q, dO as in `dSᵀ·Q`, `Pᵀ·dO`).
+//!
+//! Accumulators are laid out per plane exactly as [`crate::mma_sync`]'s: plane `w` holds
+//! rows `16w..16w + 16`, its 8-column tile `n` in pairs `2n` (row `g`) and `2n + 1` (row
+//! `g + 8`); the A fragments from registers are [`crate::mma_sync`]'s A fragments. So the
+//! element-wise steps in between (softmax, masks, the conversions) are shared with the
+//! `mma.sync` kernels.
+//!
+//! Each product is one inline PTX block, written here by [`chain_ptx`]: it moves the
+//! accumulators in, issues the chain of instructions along the reduction, commits and waits
+//! for it. The block's operands are numbered as CubeCL's CUDA compiler numbers them: the
+//! result vector's elements first, then each input in order, a vector input taking one
+//! number per element. The block names its operands once more in a closing PTX comment,
+//! as `gpu_asm!` wants every operand named in the template.
+
+use std::fmt::Write as _;
+
+use cubecl::prelude::*;
+
+use crate::mma_sync::{Pair, shared_address};
+use crate::problem::FloatDtype;
+use crate::tile::SharedLayout;
+
+/// Rows of A (and of the accumulator) per instruction: 16 per plane of the warpgroup.
+pub const WARPGROUP_ROWS: usize = 64;
+/// Columns of B (and of the accumulator) per instruction.
+pub const WARPGROUP_COLS: usize = 64;
+/// Reduction per instruction.
+pub const WARPGROUP_K: usize = 16;
+/// f32 accumulators per unit of one 64×64 product.
+pub const ACCUMULATORS: usize = WARPGROUP_ROWS * WARPGROUP_COLS / 128;
+
+/// Two products' accumulators side by side, each in [`crate::mma_sync`]'s order (pair `p`
+/// at elements `2p`, `2p + 1`).
+pub type AccumulatorPair = Vector<f32, Const<64>>;
+
+/// How a shared operand's tile is read: along its columns (its rows are the product's
+/// `M` or `N`) or along its rows (its rows are the reduction).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Major {
+    K,
+    MN,
+}
+
+/// A shared operand: a [`SharedLayout::CoreMatrices`] tile of `cols` columns read as `major`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SharedOperand {
+    pub cols: usize,
+    pub major: Major,
+}
+
+impl SharedOperand {
+    pub const fn new(cols: usize, major: Major) -> Self {
+        Self { cols, major }
+    }
+    pub const fn layout(&self) -> SharedLayout {
+        SharedLayout::CoreMatrices { cols: self.cols }
+    }
+    /// Bytes between neighbouring core matrices in the tile's columns, and between
+    /// neighbouring 8-row groups (16-bit elements).
+    const fn steps(&self) -> (usize, usize) {
+        (128, 16 * self.cols)
+    }
+    /// The descriptor's (leading, stride) byte offsets: between core matrices along the
+    /// reduction, and along `M`/`N`.
+    pub const fn offsets(&self) -> (usize, usize) {
+        let (along_cols, along_rows) = self.steps();
+        match self.major {
+            Major::K => (along_cols, along_rows),
+            Major::MN => (along_rows, along_cols),
+        }
+    }
+    /// Descriptor increment (16-byte units) of one reduction step of 16.
+    pub const fn k_step(&self) -> usize {
+        self.offsets().0 * 2 / 16
+    }
+    /// Element offset, in the tile, of the operand's `M`/`N` index `mn` (a multiple of 8)
+    /// and reduction index `k` (a multiple of 8).
+    pub const fn element(&self, mn: usize, k: usize) -> usize {
+        let (row, col) = match self.major {
+            Major::K => (mn, k),
+            Major::MN => (k, mn),
+        };
+        (row / 8) * 8 * self.cols + col * 8
+    }
+}
+
+/// A shared-memory matrix descriptor, as two 32-bit halves: start address (bits 0–13, in
+/// 16-byte units), leading byte offset (16–29), stride byte offset (32–45); base offset and
+/// swizzle mode 0.
+#[derive(CubeType, Clone, Copy)]
+pub struct Descriptor {
+    pub lo: u32,
+    pub hi: u32,
+}
+
+/// The descriptor of `operand` in `tile`, starting at element `offset` (16-byte aligned).
+#[cube]
+pub fn descriptor<F: Float>(
+    tile: &Shared<[F]>,
+    offset: usize,
+    #[comptime] operand: SharedOperand,
+) -> Descriptor {
+    let (leading, stride) = comptime!(operand.offsets());
+    let address = shared_address(tile) + u32::cast_from(offset * F::size());
+    Descriptor {
+        lo: ((address & 0x3FFFF) >> 4) | comptime!(((leading >> 4) << 16) as u32),
+        hi: comptime!((stride >> 4) as u32),
+    }
+}
+
+/// Where a product's A operand comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ASource {
+    /// A shared tile (descriptor input), read as `major`, advanced by `k_step` per step.
+    Shared { major: Major, k_step: usize },
+    /// Registers: group `group` of the block's register A inputs, 4 32-bit fragments per
+    /// step for 4 steps ([`pack_register_a`]).
+    Registers { group: usize },
+}
+
+/// One product of a PTX block: `acc (+)= A · B` over `k_steps` steps of 16, into 32
+/// accumulators of the block's result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Chain {
+    pub a: ASource,
+    pub b_major: Major,
+    pub b_k_step: usize,
+    pub k_steps: usize,
+    /// The accumulators come in as an input (else they start at zero).
+    pub accumulate: bool,
+}
+
+/// The PTX block of `chains` for `dtype` inputs: chain `i` writes result elements
+/// `32i..32i + 32`; all are issued, then committed and waited for once. The inputs, in
+/// order: the 32 accumulators of each chain that accumulates; `register_a` groups of 16
+/// A fragments ([`ASource::Registers`]); per chain, its shared A descriptor's halves (if
+/// any) and its B descriptor's halves.
+pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> String {
+    let ty = match dtype {
+        FloatDtype::BF16 => "bf16",
+        FloatDtype::F16 => "f16",
+        FloatDtype::F32 => panic!("warpgroup products take f16 or bf16 inputs"),
+    };
+    let regs = |first: usize, count: usize| {
+        (first..first + count)
+            .map(|i| format!("%{i}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut ptx = String::from(
+        "{\n.reg .pred zero, one;\n.reg .b32 flag;\n.reg .b64 da, db;\n\
+         mov.b32 flag, 1;\nsetp.eq.b32 zero, flag, 0;\nsetp.eq.b32 one, flag, 1;\n",
+    );
+    let mut next = ACCUMULATORS * chains.len();
+    for (i, chain) in chains.iter().enumerate().filter(|(_, c)| c.accumulate) {
+        for e in 0..ACCUMULATORS {
+            writeln!(ptx, "mov.b32 %{}, %{};", i * ACCUMULATORS + e, next + e).unwrap();
+        }
+        next += ACCUMULATORS;
+        debug_assert!(chain.accumulate);
+    }
+    let pool = next;
+    next += 16 * register_a;
+    ptx.push_str("wgmma.fence.sync.aligned;\n");
+    for (i, chain) in chains.iter().enumerate() {
+        if let ASource::Shared { .. } = chain.a {
+            writeln!(ptx, "mov.b64 da, {{%{next}, %{}}};", next + 1).unwrap();
+            next += 2;
+        }
+        writeln!(ptx, "mov.b64 db, {{%{next}, %{}}};", next + 1).unwrap();
+        next += 2;
+        let d = regs(i * ACCUMULATORS, ACCUMULATORS);
+        let transpose_b = (chain.b_major == Major::MN) as u8;
+        for step in 0..chain.k_steps {
+            let scale_d = if chain.accumulate || step > 0 {
+                "one"
+            } else {
+                "zero"
+            };
+            let (a_operand, transpose_a) = match chain.a {
+                ASource::Shared { major, .. } => (
+                    "da".to_string(),
+                    format!(", {}", (major == Major::MN) as u8),
+                ),
+                ASource::Registers { group } => {
+                    assert!(group < register_a && chain.k_steps == 4);
+                    let first = pool + 16 * group + 4 * step;
+                    (format!("{{{}}}", regs(first, 4)), String::new())
+                }
+            };
+            writeln!(
+                ptx,
+                "wgmma.mma_async.sync.aligned.m64n{WARPGROUP_COLS}k{WARPGROUP_K}.f32.{ty}.{ty} \
+                 {{{d}}}, {a_operand}, db, {scale_d}, 1, 1{transpose_a}, {transpose_b};"
+            )
+            .unwrap();
+            if step + 1 < chain.k_steps {
+                if let ASource::Shared { k_step, .. } = chain.a {
+                    writeln!(ptx, "add.s64 da, da, {k_step};").unwrap();
+                }
+                writeln!(ptx, "add.s64 db, db, {};", chain.b_k_step).unwrap();
+            }
+        }
+    }
+    ptx.push_str("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}");
+    ptx
+}
+
+/// `Sᵀ`-like and `dPᵀ`-like products of one block in one PTX block: `A₀·B₀` and `A₁·B₁`,
+/// each 64×64 over `k_steps` steps, both operands shared (see [`chain_ptx`]). Returns both
+/// accumulator sets side by side.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn shared_product_pair(
+    a0: Descriptor,
+    b0: Descriptor,
+    a1: Descriptor,
+    b1: Descriptor,
+    #[comptime] a_operand: SharedOperand,
+    #[comptime] b_operand: SharedOperand,
+    #[comptime] k_steps: usize,
+    #[comptime] dtype: FloatDtype,
+) -> AccumulatorPair {
+    let chain = comptime!(Chain {
+        a: ASource::Shared {
+            major: a_operand.major,
+            k_step: a_operand.k_step(),
+        },
+        b_major: b_operand.major,
+        b_k_step: b_operand.k_step(),
+        k_steps,
+        accumulate: false,
+    });
+    let body = comptime!(chain_ptx(dtype, &[chain, chain], 0));
+    let (a0_lo, a0_hi, b0_lo, b0_hi) = (a0.lo, a0.hi, b0.lo, b0.hi);
+    let (a1_lo, a1_hi, b1_lo, b1_hi) = (a1.lo, a1.hi, b1.lo, b1.hi);
+    let acc: AccumulatorPair;
+    gpu_asm!(
+        "{body}\n// {acc} {a0_lo} {a0_hi} {b0_lo} {b0_hi} {a1_lo} {a1_hi} {b1_lo} {b1_hi}",
+        body = const body,
+        acc = out(_) acc,
+        a0_lo = in(_) a0_lo, a0_hi = in(_) a0_hi, b0_lo = in(_) b0_lo, b0_hi = in(_) b0_hi,
+        a1_lo = in(_) a1_lo, a1_hi = in(_) a1_hi, b1_lo = in(_) b1_lo, b1_hi = in(_) b1_hi,
+    );
+    acc
+}
+
+/// What [`register_products`] computes: `count` (1 to 4) products of 64 columns each,
+/// `acc_i += A_(a_of[i]) · B_i` over 64 of the reduction (4 steps), A from registers (one
+/// of two groups), each B a shared tile read as `b`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RegisterProducts {
+    pub count: usize,
+    pub a_of: [usize; 4],
+    pub b: SharedOperand,
+}
+
+impl RegisterProducts {
+    fn chains(&self) -> Vec<Chain> {
+        (0..self.count)
+            .map(|i| Chain {
+                a: ASource::Registers {
+                    group: self.a_of[i],
+                },
+                b_major: self.b.major,
+                b_k_step: self.b.k_step(),
+                k_steps: 4,
+                accumulate: true,
+            })
+            .collect()
+    }
+}
+
+/// `acc_i += A · B_i` for the products of `products`, in one PTX block (one wait): `acc`
+/// holds their accumulators side by side (`N` = 32 per product), `a` the two groups of A
+/// fragments ([`pack_register_a`]), `b` the B descriptors' halves (`M` = 2 per product).
+#[cube]
+pub fn register_products<N: Size, M: Size>(
+    acc: Vector<f32, N>,
+    a: Vector<u32, Const<32>>,
+    b: Vector<u32, M>,
+    #[comptime] products: RegisterProducts,
+    #[comptime] dtype: FloatDtype,
+) -> Vector<f32, N> {
+    let body = comptime!(chain_ptx(dtype, &products.chains(), 2));
+    // Vector inputs must reach the PTX block as values, one register per element: built
+    // element by element, they live in mutable locals, which CubeCL would pass by address.
+    // An identity operation reads them out (the compiler folds it away).
+    let acc = acc * Vector::<f32, N>::cast_from(1.0f32);
+    let a = a | Vector::<u32, Const<32>>::cast_from(0u32);
+    let b = b | Vector::<u32, M>::cast_from(0u32);
+    let result: Vector<f32, N>;
+    gpu_asm!(
+        "{body}\n// {result} {acc} {a} {b}",
+        body = const body,
+        result = out(_) result,
+        acc = in(_) acc, a = in(_) a, b = in(_) b,
+    );
+    result
+}
+
+/// Writes pairs `first..first + 16` of `pairs` to accumulators `at..at + 32` of `acc`.
+#[cube]
+pub fn pack<N: Size>(
+    pairs: &Array<Pair<f32>>,
+    first: usize,
+    acc: &mut Vector<f32, N>,
+    #[comptime] at: usize,
+) {
+    #[unroll]
+    for p in 0..comptime!(ACCUMULATORS / 2) {
+        let pair = pairs[first + p];
+        acc.insert(at + 2 * p, pair.extract(0usize));
+        acc.insert(at + 2 * p + 1, pair.extract(1usize));
+    }
+}
+
+/// Writes accumulator pairs `first..first + 16` of `pairs`, converted to the input dtype, as
+/// A fragment group `group` of `a` (16 rows × 64 of the next product's reduction per plane:
+/// four steps of [`crate::mma_sync::accumulators_as_a`]).
+#[cube]
+pub fn pack_register_a<F: Float>(
+    pairs: &Array<Pair<f32>>,
+    first: usize,
+    a: &mut Vector<u32, Const<32>>,
+    #[comptime] group: usize,
+) {
+    #[unroll]
+    for i in 0..16usize {
+        a.insert(
+            16 * group + i,
+            u32::reinterpret(Pair::<F>::cast_from(pairs[first + i])),
+        );
+    }
+}
+
+/// Writes `d` as descriptor `i` of the halves [`register_products`] takes.
+#[cube]
+pub fn pack_descriptor<M: Size>(d: Descriptor, halves: &mut Vector<u32, M>, #[comptime] i: usize) {
+    halves.insert(2 * i, d.lo);
+    halves.insert(2 * i + 1, d.hi);
+}
+
+/// Writes accumulators `from..from + 32` of `acc` (`N` of them) to pairs `first..first + 16`.
+#[cube]
+pub fn unpack<N: Size>(
+    acc: Vector<f32, N>,
+    #[comptime] from: usize,
+    pairs: &mut Array<Pair<f32>>,
+    first: usize,
+) {
+    #[unroll]
+    for p in 0..comptime!(ACCUMULATORS / 2) {
+        let mut pair = Pair::<f32>::cast_from(0.0f32);
+        pair.insert(0usize, acc.extract(from + 2 * p));
+        pair.insert(1usize, acc.extract(from + 2 * p + 1));
+        pairs[first + p] = pair;
+    }
+}
+
+/// Makes this unit's earlier writes to shared memory (plain stores, `cp.async`) visible to
+/// the warpgroup products' reads, which go through the asynchronous proxy. Every unit
+/// that wrote runs it, then the cube synchronizes, before the products read.
+#[cube]
+pub fn fence_shared_for_products() {
+    gpu_asm!("fence.proxy.async.shared::cta;");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptor_offsets_follow_the_major() {
+        let k = SharedOperand::new(128, Major::K);
+        assert_eq!(k.offsets(), (128, 2048));
+        assert_eq!(k.k_step(), 16);
+        assert_eq!(k.element(16, 32), 2 * 8 * 128 + 32 * 8);
+        let mn = SharedOperand::new(64, Major::MN);
+        assert_eq!(mn.offsets(), (1024, 128));
+        assert_eq!(mn.k_step(), 128);
+        assert_eq!(mn.element(8, 16), 2 * 8 * 64 + 8 * 8);
+    }
+
+    #[test]
+    fn chain_ptx_numbers_operands_in_input_order() {
+        let shared = Chain {
+            a: ASource::Shared {
+                major: Major::K,
+                k_step: 16,
+            },
+            b_major: Major::K,
+            b_k_step: 16,
+            k_steps: 2,
+            accumulate: false,
+        };
+        let ptx = chain_ptx(FloatDtype::BF16, &[shared, shared], 0);
+        // Result %0–%63, then A and B of each chain.
+        assert!(ptx.contains("mov.b64 da, {%64, %65};"));
+        assert!(ptx.contains("mov.b64 db, {%66, %67};"));
+        assert!(ptx.contains("mov.b64 da, {%68, %69};"));
+        assert!(ptx.contains("mov.b64 db, {%70, %71};"));
+        assert_eq!(ptx.matches("wgmma.mma_async").count(), 4);
+        assert!(ptx.contains("m64n64k16.f32.bf16.bf16 {%0, %1,"));
+        assert!(ptx.contains("%31}, da, db, zero, 1, 1, 0, 0;"));
+        assert!(ptx.contains("%63}, da, db, one, 1, 1, 0, 0;"));
+        assert!(ptx.find("wgmma.fence").unwrap() < ptx.find("wgmma.mma_async").unwrap());
+
+        let registers = |group| Chain {
+            a: ASource::Registers { group },
+            b_major: Major::MN,
+            b_k_step: 256,
+            k_steps: 4,
+            accumulate: true,
+        };
+        let ptx = chain_ptx(FloatDtype::F16, &[registers(0), registers(1)], 2);
+        // Result %0–%63; accumulators in %64–%127; A groups %128–%143, %144–%159; the B
+        // descriptors %160–%161, %162–%163.
+        assert!(ptx.contains("mov.b32 %0, %64;"));
+        assert!(ptx.contains("mov.b32 %63, %127;"));
+        assert!(ptx.contains("mov.b64 db, {%160, %161};"));
+        assert!(ptx.contains("mov.b64 db, {%162, %163};"));
+        assert!(ptx.contains("{%140, %141, %142, %143}, db, one, 1, 1, 1;"));
+        assert!(ptx.contains("{%156, %157, %158, %159}, db, one, 1, 1, 1;"));
+        assert!(ptx.contains("add.s64 db, db, 256;"));
+        assert!(ptx.contains(".f32.f16.f16"));
+        assert!(ptx.find("mov.b32 %63").unwrap() < ptx.find("wgmma.fence").unwrap());
+        assert_eq!(ptx.matches("wgmma.wait_group").count(), 1);
+    }
+}
