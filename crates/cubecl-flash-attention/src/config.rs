@@ -4,6 +4,7 @@ use cubecl::ir::features::Tma;
 
 use crate::error::FlashError;
 use crate::problem::{AttentionProblem, FloatDtype};
+use crate::tile::SharedLayout;
 
 /// Which implementation of the kernels runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -519,6 +520,23 @@ impl RegisterBackwardConfig {
             None => row,
         };
         elem * (row * (self.block_rows() + 2 * self.block_stream) + scores)
+    }
+    /// How both kernels stage the rows of Q or K and of V or dO in shared memory, and the
+    /// tiles' alignment: core matrices for warpgroup products, else rows padded by 16 bytes.
+    pub fn shared_layouts(&self) -> (SharedLayout, SharedLayout, usize) {
+        let (dqk, dvp) = (self.dim_qk_padded(), self.dim_v_padded());
+        match self.warpgroup {
+            Some(_) => (
+                SharedLayout::CoreMatrices { cols: dqk },
+                SharedLayout::CoreMatrices { cols: dvp },
+                128,
+            ),
+            None => (
+                SharedLayout::rows(RegisterMmaConfig::stride(dqk)),
+                SharedLayout::rows(RegisterMmaConfig::stride(dvp)),
+                16,
+            ),
+        }
     }
     /// The planes' shares of `dQ` under [`Self::atomic_dq`]; `None` where they cannot be
     /// equal (the planes not a multiple of the query groups, or the head dim's 16-column

@@ -38,7 +38,7 @@ use crate::mma_sync::{
 };
 use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{RowLayout, SharedLayout, stage_rows_async, stage_vectors_async};
+use crate::tile::{RowLayout, stage_rows_async, stage_vectors_async};
 use crate::wgmma::{
     ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, WARPGROUP_K, descriptor,
     fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
@@ -98,17 +98,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     // Warpgroup products read their shared operands as core matrices.
     let warpgroup = comptime!(config.warpgroup.is_some());
     let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
-    let qk_layout = comptime!(if warpgroup {
-        SharedLayout::CoreMatrices { cols: dqk }
-    } else {
-        SharedLayout::rows(qk_ld)
-    });
-    let v_layout = comptime!(if warpgroup {
-        SharedLayout::CoreMatrices { cols: dvp }
-    } else {
-        SharedLayout::rows(v_ld)
-    });
-    let align = comptime!(if warpgroup { 128usize } else { 16usize });
+    let (qk_layout, v_layout, align) = comptime!(config.shared_layouts());
     let q_stage = comptime!(qk_layout.len(block_q));
     let do_stage = comptime!(v_layout.len(block_q));
     // LSE then D of the block's queries.

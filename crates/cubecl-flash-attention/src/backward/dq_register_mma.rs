@@ -27,7 +27,7 @@ use crate::mma_sync::{
 };
 use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{Head, RowLayout, SharedLayout, last_first, row_offset, stage_rows_async};
+use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
 use crate::wgmma::{
     ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, WARPGROUP_K, descriptor,
     fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
@@ -75,17 +75,7 @@ pub fn flash_backward_dq_mma<F: Float>(
     // Warpgroup products read their shared operands as core matrices.
     let warpgroup = comptime!(config.warpgroup.is_some());
     let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
-    let qk_layout = comptime!(if warpgroup {
-        SharedLayout::CoreMatrices { cols: dqk }
-    } else {
-        SharedLayout::rows(qk_ld)
-    });
-    let v_layout = comptime!(if warpgroup {
-        SharedLayout::CoreMatrices { cols: dvp }
-    } else {
-        SharedLayout::rows(v_ld)
-    });
-    let align = comptime!(if warpgroup { 128usize } else { 16usize });
+    let (qk_layout, v_layout, align) = comptime!(config.shared_layouts());
     let k_stage = comptime!(qk_layout.len(block_k));
     let v_stage = comptime!(v_layout.len(block_k));
 
