@@ -4,7 +4,7 @@
 use burn_flash_attention::kernels::{
     AttentionProblem, DeviceLimits, DeviceTensor, FlashError, FloatDtype, KernelPath,
     backward::{Gradients, Saved, backward, backward_into},
-    config::{ATOMIC_DQ_MIN_SEQ_Q, choose_register_backward_tiles},
+    config::{ATOMIC_DQ_MIN_SEQ_Q, choose_register_backward_tiles, warpgroup_backward},
     forward::{forward, forward_into},
     reference,
 };
@@ -219,6 +219,56 @@ fn deterministic_backward_matches_the_oracle() {
             KernelPath::RegisterMma,
         );
     }
+}
+
+/// The register-level backward on sm_90 warpgroup products (off by default, `FLASH_WGMMA=1`)
+/// against the oracle: every catalogue problem they take, with dQ in its own pass. Skipped
+/// (said on stderr) on devices without them.
+#[test]
+fn warpgroup_backward_matches_the_oracle() {
+    let client = common::client();
+    let Some(dtype) = register_path_dtype(&client) else {
+        return;
+    };
+    let limits = DeviceLimits::from_properties(client.properties());
+    if !limits.warpgroup_mma {
+        eprintln!("no warpgroup products (sm_90) on this device");
+        return;
+    }
+    /// Sets `FLASH_WGMMA=1` for its lifetime, a failing check included.
+    struct Warpgroup;
+    impl Drop for Warpgroup {
+        fn drop(&mut self) {
+            // SAFETY: the tests run on one thread (`RUST_TEST_THREADS=1`, .cargo/config.toml).
+            unsafe { std::env::remove_var("FLASH_WGMMA") };
+        }
+    }
+    // SAFETY: as above.
+    unsafe { std::env::set_var("FLASH_WGMMA", "1") };
+    let _on = Warpgroup;
+    let mut ran = 0;
+    for case in common::selected_cases() {
+        let case = Case {
+            deterministic: true,
+            ..case
+        };
+        let (qs, ks, vs, _) = shapes(&case);
+        let problem = AttentionProblem::new(&qs, &ks, &vs, dtype, case.options()).unwrap();
+        let applies = choose_register_backward_tiles(&problem, &limits)
+            .is_ok_and(|config| warpgroup_backward(&problem, &limits, &config).is_some());
+        if !applies {
+            continue;
+        }
+        check_case(
+            &client,
+            &case,
+            dtype,
+            Layout::Contiguous,
+            KernelPath::RegisterMma,
+        );
+        ran += 1;
+    }
+    assert!(ran > 0, "no catalogue problem takes the warpgroup products");
 }
 
 /// The dtype the register-level path's tests run in, or `None` (said on stderr) where the

@@ -507,19 +507,14 @@ impl RegisterBackwardConfig {
     /// Bytes of shared memory of either kernel with `elem`-byte inputs: the cube's own rows
     /// of two tensors (K and V, or Q and dO), and two stages of the streamed two.
     pub fn shared_bytes(&self, elem: usize) -> usize {
-        let row = RegisterMmaConfig::stride(self.dim_qk_padded())
-            + RegisterMmaConfig::stride(self.dim_v_padded());
+        let (qk, v, _) = self.shared_layouts();
+        let rows = self.block_rows() + 2 * self.block_stream;
         let scores = if self.atomic_dq {
             self.block_rows() * RegisterMmaConfig::stride(self.block_stream)
         } else {
             0
         };
-        // Core matrices need no padding.
-        let row = match self.warpgroup {
-            Some(_) => self.dim_qk_padded() + self.dim_v_padded(),
-            None => row,
-        };
-        elem * (row * (self.block_rows() + 2 * self.block_stream) + scores)
+        elem * (qk.len(rows) + v.len(rows) + scores)
     }
     /// How both kernels stage the rows of Q or K and of V or dO in shared memory, and the
     /// tiles' alignment: core matrices for warpgroup products, else rows padded by 16 bytes.
@@ -645,7 +640,7 @@ pub fn choose_register_backward_tiles(
         })
 }
 
-/// The input dtype of the dK/dV kernel's warpgroup products for `config`
+/// The input dtype of the backward kernels' warpgroup products for `config`
 /// ([`RegisterBackwardConfig::warpgroup`]), or `None` where they do not apply: a device
 /// without them, atomic dQ or split launches, tiles other than 4 planes × 64-query blocks,
 /// head dims other than `d_qk = d_v ∈ {64, 128}` (each product is 64 columns wide).

@@ -5,7 +5,7 @@
 //! operand is read once per warpgroup instead of once per plane, and never passes through
 //! registers.
 //!
-//! Shared operands are tiles in [`SharedLayout::CoreMatrices`] (no swizzling), described to
+//! Shared operands are tiles in [`crate::tile::SharedLayout::CoreMatrices`] (no swizzling), described to
 //! the instruction by a 64-bit matrix descriptor ([`Descriptor`]): the start address, the
 //! byte distance between core matrices along the reduction (`K`, "leading") and along
 //! the rows or columns of the product (`M`/`N`, "stride"). A tile of rows is read
@@ -31,7 +31,6 @@ use cubecl::prelude::*;
 
 use crate::mma_sync::{Pair, shared_address};
 use crate::problem::FloatDtype;
-use crate::tile::SharedLayout;
 
 /// Rows of A (and of the accumulator) per instruction: 16 per plane of the warpgroup.
 pub const WARPGROUP_ROWS: usize = 64;
@@ -42,10 +41,6 @@ pub const WARPGROUP_K: usize = 16;
 /// f32 accumulators per unit of one 64×64 product.
 pub const ACCUMULATORS: usize = WARPGROUP_ROWS * WARPGROUP_COLS / 128;
 
-/// Two products' accumulators side by side, each in [`crate::mma_sync`]'s order (pair `p`
-/// at elements `2p`, `2p + 1`).
-pub type AccumulatorPair = Vector<f32, Const<64>>;
-
 /// How a shared operand's tile is read: along its columns (its rows are the product's
 /// `M` or `N`) or along its rows (its rows are the reduction).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -54,7 +49,7 @@ pub enum Major {
     MN,
 }
 
-/// A shared operand: a [`SharedLayout::CoreMatrices`] tile of `cols` columns read as `major`.
+/// A shared operand: a [`crate::tile::SharedLayout::CoreMatrices`] tile of `cols` columns read as `major`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SharedOperand {
     pub cols: usize,
@@ -64,9 +59,6 @@ pub struct SharedOperand {
 impl SharedOperand {
     pub const fn new(cols: usize, major: Major) -> Self {
         Self { cols, major }
-    }
-    pub const fn layout(&self) -> SharedLayout {
-        SharedLayout::CoreMatrices { cols: self.cols }
     }
     /// Bytes between neighbouring core matrices in the tile's columns, and between
     /// neighbouring 8-row groups (16-bit elements).
@@ -143,6 +135,23 @@ pub struct Chain {
     pub accumulate: bool,
 }
 
+impl Chain {
+    /// `A·Bᵀ` of two shared tiles read as `op` (both K-major, the reduction their columns),
+    /// starting from zero.
+    fn scores(op: SharedOperand) -> Self {
+        Self {
+            a: ASource::Shared {
+                major: op.major,
+                k_step: op.k_step(),
+            },
+            b_major: op.major,
+            b_k_step: op.k_step(),
+            k_steps: op.cols / WARPGROUP_K,
+            accumulate: false,
+        }
+    }
+}
+
 /// The PTX block of `chains` for `dtype` inputs: chain `i` writes result elements
 /// `32i..32i + 32`; all are issued, then committed and waited for once. The inputs, in
 /// order: the 32 accumulators of each chain that accumulates; `register_a` groups of 16
@@ -165,12 +174,11 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
          mov.b32 flag, 1;\nsetp.eq.b32 zero, flag, 0;\nsetp.eq.b32 one, flag, 1;\n",
     );
     let mut next = ACCUMULATORS * chains.len();
-    for (i, chain) in chains.iter().enumerate().filter(|(_, c)| c.accumulate) {
+    for (i, _) in chains.iter().enumerate().filter(|(_, c)| c.accumulate) {
         for e in 0..ACCUMULATORS {
             writeln!(ptx, "mov.b32 %{}, %{};", i * ACCUMULATORS + e, next + e).unwrap();
         }
         next += ACCUMULATORS;
-        debug_assert!(chain.accumulate);
     }
     let pool = next;
     next += 16 * register_a;
@@ -219,35 +227,45 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
     ptx
 }
 
-/// `Sᵀ`-like and `dPᵀ`-like products of one block in one PTX block: `A₀·B₀` and `A₁·B₁`,
-/// each 64×64 over `k_steps` steps, both operands shared (see [`chain_ptx`]). Returns both
-/// accumulator sets side by side.
+/// The score-like products of one block, both operands shared and read K-major (the
+/// tiles' rows are the product's rows and columns, their columns the reduction):
+/// `first = A₀·B₀ᵀ` over the `first_cols` columns of tiles `a0`, `b0` (from elements
+/// `a0_at`, `b0_at`), and `second = A₁·B₁ᵀ` over the `second_cols` columns of `a1`, `b1`,
+/// each 64 × 64, in one PTX block (see [`chain_ptx`]); written to the pairs of `first` and
+/// `second`. `Sᵀ = K·Qᵀ` with `dPᵀ = V·dOᵀ`, or `S = Q·Kᵀ` with `dP = dO·Vᵀ`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn shared_product_pair(
-    a0: Descriptor,
-    b0: Descriptor,
-    a1: Descriptor,
-    b1: Descriptor,
-    #[comptime] a_operand: SharedOperand,
-    #[comptime] b_operand: SharedOperand,
-    #[comptime] k_steps: usize,
+pub fn score_products<F: Float>(
+    a0: &Shared<[F]>,
+    a0_at: usize,
+    b0: &Shared<[F]>,
+    b0_at: usize,
+    a1: &Shared<[F]>,
+    a1_at: usize,
+    b1: &Shared<[F]>,
+    b1_at: usize,
+    #[comptime] first_cols: usize,
+    #[comptime] second_cols: usize,
     #[comptime] dtype: FloatDtype,
-) -> AccumulatorPair {
-    let chain = comptime!(Chain {
-        a: ASource::Shared {
-            major: a_operand.major,
-            k_step: a_operand.k_step(),
-        },
-        b_major: b_operand.major,
-        b_k_step: b_operand.k_step(),
-        k_steps,
-        accumulate: false,
-    });
-    let body = comptime!(chain_ptx(dtype, &[chain, chain], 0));
-    let (a0_lo, a0_hi, b0_lo, b0_hi) = (a0.lo, a0.hi, b0.lo, b0.hi);
-    let (a1_lo, a1_hi, b1_lo, b1_hi) = (a1.lo, a1.hi, b1.lo, b1.hi);
-    let acc: AccumulatorPair;
+    first: &mut Array<Pair<f32>>,
+    second: &mut Array<Pair<f32>>,
+) {
+    let op0 = comptime!(SharedOperand::new(first_cols, Major::K));
+    let op1 = comptime!(SharedOperand::new(second_cols, Major::K));
+    let body = comptime!(chain_ptx(
+        dtype,
+        &[Chain::scores(op0), Chain::scores(op1)],
+        0
+    ));
+    let d = descriptor(a0, a0_at, op0);
+    let (a0_lo, a0_hi) = (d.lo, d.hi);
+    let d = descriptor(b0, b0_at, op0);
+    let (b0_lo, b0_hi) = (d.lo, d.hi);
+    let d = descriptor(a1, a1_at, op1);
+    let (a1_lo, a1_hi) = (d.lo, d.hi);
+    let d = descriptor(b1, b1_at, op1);
+    let (b1_lo, b1_hi) = (d.lo, d.hi);
+    let acc: Vector<f32, Const<64>>;
     gpu_asm!(
         "{body}\n// {acc} {a0_lo} {a0_hi} {b0_lo} {b0_hi} {a1_lo} {a1_hi} {b1_lo} {b1_hi}",
         body = const body,
@@ -255,7 +273,8 @@ pub fn shared_product_pair(
         a0_lo = in(_) a0_lo, a0_hi = in(_) a0_hi, b0_lo = in(_) b0_lo, b0_hi = in(_) b0_hi,
         a1_lo = in(_) a1_lo, a1_hi = in(_) a1_hi, b1_lo = in(_) b1_lo, b1_hi = in(_) b1_hi,
     );
-    acc
+    unpack(acc, 0usize, first, 0);
+    unpack(acc, ACCUMULATORS, second, 0);
 }
 
 /// What [`register_products`] computes: `count` (1 to 4) products of 64 columns each,

@@ -40,9 +40,9 @@ use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{RowLayout, stage_rows_async, stage_vectors_async};
 use crate::wgmma::{
-    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, WARPGROUP_K, descriptor,
+    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
     fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
-    shared_product_pair, unpack,
+    score_products, unpack,
 };
 
 use super::dq_atomic::add_dq_share;
@@ -306,8 +306,9 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         // 1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's 16 keys.
         let q_base = stage * q_stage;
         let do_base = stage * do_stage;
+        // (The warpgroup products write every pair.)
         #[unroll]
-        for i in 0..comptime!(2 * s_tiles) {
+        for i in 0..comptime!(if warpgroup { 0 } else { 2 * s_tiles }) {
             s_acc[i] = Pair::<f32>::cast_from(0.0f32);
             if comptime!(with_dk) {
                 dp_acc[i] = Pair::<f32>::cast_from(0.0f32);
@@ -315,20 +316,21 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         }
         if comptime!(warpgroup) {
             // One warpgroup product each: the cube's 64 keys × the block's 64 queries.
-            let keys = comptime!(SharedOperand::new(dqk, Major::K));
-            let values = comptime!(SharedOperand::new(dvp, Major::K));
-            let acc = shared_product_pair(
-                descriptor(&k_tile, 0, keys),
-                descriptor(&q_tile, q_base, keys),
-                descriptor(&v_tile, 0, values),
-                descriptor(&do_tile, do_base, values),
-                keys,
-                keys,
-                comptime!(dqk / WARPGROUP_K),
+            score_products(
+                &k_tile,
+                0,
+                &q_tile,
+                q_base,
+                &v_tile,
+                0,
+                &do_tile,
+                do_base,
+                dqk,
+                dvp,
                 dtype,
+                &mut s_acc,
+                &mut dp_acc,
             );
-            unpack(acc, 0usize, &mut s_acc, 0);
-            unpack(acc, ACCUMULATORS, &mut dp_acc, 0);
         }
         #[unroll]
         for kk in 0..comptime!(if warpgroup { 0 } else { dqk / FRAGMENT }) {

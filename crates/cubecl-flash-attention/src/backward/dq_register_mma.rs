@@ -29,9 +29,9 @@ use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
 use crate::wgmma::{
-    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, WARPGROUP_K, descriptor,
+    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
     fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
-    shared_product_pair, unpack,
+    score_products, unpack,
 };
 
 /// Lanes sharing one row of an accumulator tile.
@@ -236,27 +236,29 @@ pub fn flash_backward_dq_mma<F: Float>(
         // 1. S = Q·Kᵀ and dP = dO·Vᵀ for the plane's 16 queries.
         let k_base = stage * k_stage;
         let v_base = stage * v_stage;
+        // (The warpgroup products write every pair.)
         #[unroll]
-        for i in 0..comptime!(2 * s_tiles) {
+        for i in 0..comptime!(if warpgroup { 0 } else { 2 * s_tiles }) {
             s_acc[i] = Pair::<f32>::cast_from(0.0f32);
             dp_acc[i] = Pair::<f32>::cast_from(0.0f32);
         }
         if comptime!(warpgroup) {
             // One warpgroup product each: the cube's 64 queries × the block's 64 keys.
-            let qk_rows = comptime!(SharedOperand::new(dqk, Major::K));
-            let v_rows_op = comptime!(SharedOperand::new(dvp, Major::K));
-            let acc = shared_product_pair(
-                descriptor(&q_tile, 0, qk_rows),
-                descriptor(&k_tile, k_base, qk_rows),
-                descriptor(&do_tile, 0, v_rows_op),
-                descriptor(&v_tile, v_base, v_rows_op),
-                qk_rows,
-                qk_rows,
-                comptime!(dqk / WARPGROUP_K),
+            score_products(
+                &q_tile,
+                0,
+                &k_tile,
+                k_base,
+                &do_tile,
+                0,
+                &v_tile,
+                v_base,
+                dqk,
+                dvp,
                 dtype,
+                &mut s_acc,
+                &mut dp_acc,
             );
-            unpack(acc, 0usize, &mut s_acc, 0);
-            unpack(acc, ACCUMULATORS, &mut dp_acc, 0);
         }
         #[unroll]
         for kk in 0..comptime!(if warpgroup { 0 } else { dqk / FRAGMENT }) {
