@@ -462,13 +462,23 @@ pub struct RegisterBackwardConfig {
     /// Those atomics add two neighbouring values per instruction
     /// ([`DeviceLimits::paired_f32_atomics`]).
     pub paired_atomics: bool,
-    /// The dK/dV and dQ kernels' products on warpgroup instructions ([`crate::wgmma`]) for
-    /// inputs of this dtype, their shared tiles in core matrices: sm_90, cubes of 4 planes
+    /// The dK/dV and dQ kernels' products on warpgroup instructions ([`crate::wgmma`]):
+    /// sm_90, cubes of 4 planes
     /// (one warpgroup), 64-row blocks, `d_qk = d_v ∈ {64, 128}`, dQ in its own pass
     /// ([`warpgroup_backward`]). Off unless asked for (`FLASH_WGMMA`, see
     /// `backward::tuned`): correct, but measured 10–20% slower than `mma.sync` on the
     /// H200 (docs/benchmarks.md).
-    pub warpgroup: Option<FloatDtype>,
+    pub warpgroup: Option<Warpgroup>,
+}
+
+/// The backward kernels' warpgroup products ([`RegisterBackwardConfig::warpgroup`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Warpgroup {
+    /// The input dtype.
+    pub dtype: FloatDtype,
+    /// Shared tiles swizzled in 128-byte atoms ([`SharedLayout::Swizzled`]), else core
+    /// matrices without swizzling ([`SharedLayout::CoreMatrices`]).
+    pub swizzled: bool,
 }
 
 /// How the dK/dV kernel with [`RegisterBackwardConfig::atomic_dq`] shares a query block's
@@ -517,10 +527,16 @@ impl RegisterBackwardConfig {
         elem * (qk.len(rows) + v.len(rows) + scores)
     }
     /// How both kernels stage the rows of Q or K and of V or dO in shared memory, and the
-    /// tiles' alignment: core matrices for warpgroup products, else rows padded by 16 bytes.
+    /// tiles' alignment: the layout the warpgroup products read ([`Warpgroup`]), else rows
+    /// padded by 16 bytes.
     pub fn shared_layouts(&self) -> (SharedLayout, SharedLayout, usize) {
         let (dqk, dvp) = (self.dim_qk_padded(), self.dim_v_padded());
         match self.warpgroup {
+            Some(Warpgroup { swizzled: true, .. }) => (
+                SharedLayout::Swizzled { cols: dqk },
+                SharedLayout::Swizzled { cols: dvp },
+                1024,
+            ),
             Some(_) => (
                 SharedLayout::CoreMatrices { cols: dqk },
                 SharedLayout::CoreMatrices { cols: dvp },
@@ -640,15 +656,15 @@ pub fn choose_register_backward_tiles(
         })
 }
 
-/// The input dtype of the backward kernels' warpgroup products for `config`
-/// ([`RegisterBackwardConfig::warpgroup`]), or `None` where they do not apply: a device
+/// The backward kernels' warpgroup products for `config` (swizzled tiles;
+/// [`RegisterBackwardConfig::warpgroup`]), or `None` where they do not apply: a device
 /// without them, atomic dQ or split launches, tiles other than 4 planes × 64-query blocks,
 /// head dims other than `d_qk = d_v ∈ {64, 128}` (each product is 64 columns wide).
 pub fn warpgroup_backward(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
     config: &RegisterBackwardConfig,
-) -> Option<FloatDtype> {
+) -> Option<Warpgroup> {
     (limits.warpgroup_mma
         && limits.has_register_mma(problem.dtype)
         && !config.atomic_dq
@@ -656,7 +672,10 @@ pub fn warpgroup_backward(
         && (config.planes, config.block_stream) == (4, 64)
         && problem.dim_qk == problem.dim_v
         && matches!(problem.dim_qk, 64 | 128))
-    .then_some(problem.dtype)
+    .then_some(Warpgroup {
+        dtype: problem.dtype,
+        swizzled: true,
+    })
 }
 
 /// Applies the tuning override in environment variable `var` (comma-separated numbers) to
@@ -967,7 +986,10 @@ mod tests {
             let p = problem(d, d);
             assert_eq!(
                 warpgroup(&p, &NVIDIA),
-                applies.then_some(FloatDtype::F16),
+                applies.then_some(Warpgroup {
+                    dtype: FloatDtype::F16,
+                    swizzled: true
+                }),
                 "d={d}"
             );
             assert_eq!(warpgroup(&p, &sm80), None, "d={d}");

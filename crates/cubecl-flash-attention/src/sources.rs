@@ -547,9 +547,9 @@ fn kernels(
             };
             // And, where they apply (sm_90), the kernels on warpgroup products, which run
             // when asked for (`FLASH_WGMMA`).
-            let warpgroup = warpgroup_backward(&problem, limits, &default).map(|dtype| {
+            let warpgroup = warpgroup_backward(&problem, limits, &default).map(|warpgroup| {
                 RegisterBackwardConfig {
-                    warpgroup: Some(dtype),
+                    warpgroup: Some(warpgroup),
                     ..default
                 }
             });

@@ -255,6 +255,13 @@ pub enum SharedLayout {
     /// groups one after the other, each holding its `cols / 8` core matrices in column
     /// order.
     CoreMatrices { cols: usize },
+    /// Rows of 128 bytes (64 columns of 16-bit elements) swizzled as the warpgroup
+    /// products' 128-byte mode reads them ([`crate::wgmma`]): the tile is cut into atoms of
+    /// 8 rows × 64 columns, 1024 contiguous bytes each (the 8-row groups one after the
+    /// other, each holding its `cols / 64` atoms in column order); in an atom, the 16-byte
+    /// chunk `c` of row `r` sits at chunk `c ^ r`, so the 8 rows of a chunk fall in
+    /// different banks. Needs `cols % 64 == 0` and atoms aligned to 1024 bytes.
+    Swizzled { cols: usize },
 }
 
 impl SharedLayout {
@@ -265,26 +272,37 @@ impl SharedLayout {
     pub const fn len(&self, rows: usize) -> usize {
         match *self {
             Self::Rows { stride } => rows * stride,
-            Self::CoreMatrices { cols } => rows * cols,
+            Self::CoreMatrices { cols } | Self::Swizzled { cols } => rows * cols,
         }
     }
 }
 
-/// Element offset of row `r`, column `c` (a multiple of 8 for [`SharedLayout::CoreMatrices`])
-/// in a tile laid out as `layout`.
+/// Element offset of row `r`, column `c` (a multiple of 8 for [`SharedLayout::CoreMatrices`]
+/// and [`SharedLayout::Swizzled`]) in a tile laid out as `layout`.
 #[cube]
 pub fn shared_offset(r: usize, c: usize, #[comptime] layout: SharedLayout) -> usize {
-    let blocked = comptime!(matches!(layout, SharedLayout::CoreMatrices { .. }));
-    let stride = comptime!(match layout {
-        SharedLayout::Rows { stride } => stride,
-        SharedLayout::CoreMatrices { cols } => 8 * cols,
+    let (kind, width) = comptime!(match layout {
+        SharedLayout::Rows { stride } => (0u8, stride),
+        SharedLayout::CoreMatrices { cols } => (1u8, cols),
+        SharedLayout::Swizzled { cols } => (2u8, cols),
     });
-    if comptime!(blocked) {
-        (r / 8) * stride + (r % 8) * COPY + c * COPY
+    if comptime!(kind == 0) {
+        r * width + c
+    } else if comptime!(kind == 1) {
+        (r / 8) * comptime!(8 * width) + (r % 8) * COPY + c * COPY
     } else {
-        r * stride + c
+        let chunk = (c / COPY) % SWIZZLE_CHUNKS;
+        (r / 8) * comptime!(8 * width)
+            + (c / SWIZZLE_COLS) * comptime!(8 * SWIZZLE_COLS)
+            + (r % 8) * SWIZZLE_COLS
+            + (chunk ^ (r % 8)) * COPY
     }
 }
+
+/// Columns of one row of a [`SharedLayout::Swizzled`] atom (128 bytes of 16-bit elements).
+pub const SWIZZLE_COLS: usize = 64;
+/// 16-byte chunks of one row of an atom.
+const SWIZZLE_CHUNKS: usize = SWIZZLE_COLS / COPY;
 
 /// [`stage_rows`] with 16-byte asynchronous copies (`cp.async`) into `tile` at `offset`, laid
 /// out as `layout`, the rows of `t` found through `rows_of` (its [`RowLayout`]). The copies
@@ -321,13 +339,36 @@ pub fn stage_rows_async<F: Float>(
     let per_row = comptime!(padded / COPY);
     let total = comptime!(rows * per_row);
     let blocked = comptime!(matches!(layout, SharedLayout::CoreMatrices { .. }));
+    let swizzled = comptime!(matches!(layout, SharedLayout::Swizzled { .. }));
     let regular = comptime!(
         dim == padded
             && units.is_multiple_of(per_row)
             && total.is_multiple_of(units)
             && (!blocked || (units / per_row).is_multiple_of(8))
+            && (!swizzled
+                || (units.is_multiple_of(8 * SWIZZLE_CHUNKS)
+                    && (rows * SWIZZLE_CHUNKS).is_multiple_of(units)))
     );
-    if comptime!(regular) && first + rows <= seq {
+    if comptime!(regular && swizzled) && first + rows <= seq {
+        // Eight neighbouring units copy the 128 bytes of one row's atom; a pass copies
+        // `units / 8` rows of one atom column.
+        let rows_per_pass = comptime!(units / SWIZZLE_CHUNKS);
+        let passes_per_column = comptime!(rows / rows_per_pass);
+        let unit = UNIT_POS as usize;
+        let r = unit / SWIZZLE_CHUNKS;
+        let c = (unit % SWIZZLE_CHUNKS) * COPY;
+        let src = base + (first + r) * row_stride + c;
+        let dst = offset + shared_offset(r, c, layout);
+        #[unroll]
+        for pass in 0..comptime!(total / units) {
+            // Rows `dr` further on keep the swizzle (`dr` is a multiple of 8).
+            let dr = comptime!((pass % passes_per_column) * rows_per_pass);
+            let dc = comptime!((pass / passes_per_column) * SWIZZLE_COLS);
+            let from = src + dr * row_stride + dc;
+            let to = dst + comptime!(layout.len(dr) + 8 * dc);
+            copy_async(&t[from..from + COPY], &mut tile[to..to + COPY], COPY as u32);
+        }
+    } else if comptime!(regular) && first + rows <= seq {
         let rows_per_pass = comptime!(units / per_row);
         let unit = UNIT_POS as usize;
         // Eight neighbouring units write one core matrix.

@@ -5,12 +5,13 @@
 //! operand is read once per warpgroup instead of once per plane, and never passes through
 //! registers.
 //!
-//! Shared operands are tiles in [`crate::tile::SharedLayout::CoreMatrices`] (no swizzling), described to
-//! the instruction by a 64-bit matrix descriptor ([`Descriptor`]): the start address, the
-//! byte distance between core matrices along the reduction (`K`, "leading") and along
-//! the rows or columns of the product (`M`/`N`, "stride"). A tile of rows is read
-//! K-major when its rows are the product's `M`/`N` (Q, K as in `K·Qᵀ`) and MN-major when
-//! its rows are the reduction (Q, dO as in `dSᵀ·Q`, `Pᵀ·dO`).
+//! Shared operands are tiles in [`crate::tile::SharedLayout::Swizzled`] (128-byte swizzle)
+//! or [`crate::tile::SharedLayout::CoreMatrices`] (no swizzling), described to the
+//! instruction by a 64-bit matrix descriptor ([`Descriptor`]): the start address, two byte
+//! offsets between the layout's blocks along the reduction (`K`) and along the rows or
+//! columns of the product (`M`/`N`), and the swizzle mode ([`SharedOperand::offsets`]). A
+//! tile of rows is read K-major when its rows are the product's `M`/`N` (Q, K as in `K·Qᵀ`)
+//! and MN-major when its rows are the reduction (Q, dO as in `dSᵀ·Q`, `Pᵀ·dO`).
 //!
 //! Accumulators are laid out per plane exactly as [`crate::mma_sync`]'s: plane `w` holds
 //! rows `16w..16w + 16`, its 8-column tile `n` in pairs `2n` (row `g`) and `2n + 1` (row
@@ -31,6 +32,7 @@ use cubecl::prelude::*;
 
 use crate::mma_sync::{Pair, shared_address};
 use crate::problem::FloatDtype;
+use crate::tile::{SWIZZLE_COLS, SharedLayout};
 
 /// Rows of A (and of the accumulator) per instruction: 16 per plane of the warpgroup.
 pub const WARPGROUP_ROWS: usize = 64;
@@ -49,49 +51,87 @@ pub enum Major {
     MN,
 }
 
-/// A shared operand: a [`crate::tile::SharedLayout::CoreMatrices`] tile of `cols` columns read as `major`.
+/// A shared operand: a tile laid out as `layout` ([`SharedLayout::CoreMatrices`] or
+/// [`SharedLayout::Swizzled`]) read as `major`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SharedOperand {
-    pub cols: usize,
+    pub layout: SharedLayout,
     pub major: Major,
 }
 
 impl SharedOperand {
-    pub const fn new(cols: usize, major: Major) -> Self {
-        Self { cols, major }
+    pub const fn new(layout: SharedLayout, major: Major) -> Self {
+        Self { layout, major }
     }
-    /// Bytes between neighbouring core matrices in the tile's columns, and between
-    /// neighbouring 8-row groups (16-bit elements).
-    const fn steps(&self) -> (usize, usize) {
-        (128, 16 * self.cols)
-    }
-    /// The descriptor's (leading, stride) byte offsets: between core matrices along the
-    /// reduction, and along `M`/`N`.
-    pub const fn offsets(&self) -> (usize, usize) {
-        let (along_cols, along_rows) = self.steps();
-        match self.major {
-            Major::K => (along_cols, along_rows),
-            Major::MN => (along_rows, along_cols),
+    /// Columns of the tile.
+    pub const fn cols(&self) -> usize {
+        match self.layout {
+            SharedLayout::CoreMatrices { cols } | SharedLayout::Swizzled { cols } => cols,
+            SharedLayout::Rows { .. } => panic!("warpgroup products read core matrices"),
         }
     }
-    /// Descriptor increment (16-byte units) of one reduction step of 16.
-    pub const fn k_step(&self) -> usize {
-        self.offsets().0 * 2 / 16
+    /// Bytes between neighbouring 8-row groups of the tile (16-bit elements).
+    const fn row_groups(&self) -> usize {
+        16 * self.cols()
     }
-    /// Element offset, in the tile, of the operand's `M`/`N` index `mn` (a multiple of 8)
-    /// and reduction index `k` (a multiple of 8).
+    /// The descriptor's (leading, stride) byte offsets. Without swizzling: between core
+    /// matrices along the reduction, and along `M`/`N`. Swizzled, K-major: unused (1 in
+    /// 16-byte units) and between 8-row groups; MN-major: between 64-column atoms and
+    /// between 8-row groups.
+    pub const fn offsets(&self) -> (usize, usize) {
+        match (self.layout, self.major) {
+            (SharedLayout::Swizzled { .. }, Major::K) => (16, self.row_groups()),
+            (SharedLayout::Swizzled { .. }, Major::MN) => (ATOM_BYTES, self.row_groups()),
+            (_, Major::K) => (128, self.row_groups()),
+            (_, Major::MN) => (self.row_groups(), 128),
+        }
+    }
+    /// The descriptor's layout mode (bits 62–63): 0 without swizzling, 1 for 128 bytes.
+    pub const fn swizzle_mode(&self) -> u32 {
+        matches!(self.layout, SharedLayout::Swizzled { .. }) as u32
+    }
+    /// Byte offset of reduction step `step` (16 of the reduction) from the operand's start.
+    /// K-major and swizzled, a step moves 32 bytes inside a 128-byte atom row (the tensor
+    /// cores apply the swizzle to the address), then on to the next atom.
+    pub const fn k_offset(&self, step: usize) -> usize {
+        match (self.layout, self.major) {
+            (SharedLayout::Swizzled { .. }, Major::K) => {
+                let per_atom = SWIZZLE_COLS / WARPGROUP_K;
+                (step / per_atom) * ATOM_BYTES + (step % per_atom) * 2 * WARPGROUP_K
+            }
+            (_, Major::K) => step * 2 * 128,
+            (_, Major::MN) => step * 2 * self.row_groups(),
+        }
+    }
+    /// Descriptor increment (16-byte units of its start address) from reduction step `step`
+    /// to the next.
+    pub const fn k_increment(&self, step: usize) -> usize {
+        (self.k_offset(step + 1) - self.k_offset(step)) / 16
+    }
+    /// Element offset, in the tile, of the operand's `M`/`N` index `mn` and reduction index
+    /// `k`: multiples of 8, and along the tile's columns of 64 where swizzled.
     pub const fn element(&self, mn: usize, k: usize) -> usize {
         let (row, col) = match self.major {
             Major::K => (mn, k),
             Major::MN => (k, mn),
         };
-        (row / 8) * 8 * self.cols + col * 8
+        let groups = (row / 8) * 8 * self.cols();
+        match self.layout {
+            SharedLayout::Swizzled { .. } => {
+                assert!(col.is_multiple_of(SWIZZLE_COLS));
+                groups + col * 8
+            }
+            _ => groups + col * 8,
+        }
     }
 }
 
+/// Bytes of one swizzle atom (8 rows of 128 bytes).
+const ATOM_BYTES: usize = 1024;
+
 /// A shared-memory matrix descriptor, as two 32-bit halves: start address (bits 0–13, in
-/// 16-byte units), leading byte offset (16–29), stride byte offset (32–45); base offset and
-/// swizzle mode 0.
+/// 16-byte units), leading byte offset (16–29), stride byte offset (32–45), layout mode
+/// (62–63); base offset 0 (swizzle atoms are 1024-byte aligned).
 #[derive(CubeType, Clone, Copy)]
 pub struct Descriptor {
     pub lo: u32,
@@ -109,15 +149,15 @@ pub fn descriptor<F: Float>(
     let address = shared_address(tile) + u32::cast_from(offset * F::size());
     Descriptor {
         lo: ((address & 0x3FFFF) >> 4) | comptime!(((leading >> 4) << 16) as u32),
-        hi: comptime!((stride >> 4) as u32),
+        hi: comptime!((stride >> 4) as u32 | (operand.swizzle_mode() << 30)),
     }
 }
 
 /// Where a product's A operand comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ASource {
-    /// A shared tile (descriptor input), read as `major`, advanced by `k_step` per step.
-    Shared { major: Major, k_step: usize },
+    /// A shared tile (descriptor input), advanced along the reduction as the operand says.
+    Shared(SharedOperand),
     /// Registers: group `group` of the block's register A inputs, 4 32-bit fragments per
     /// step for 4 steps ([`pack_register_a`]).
     Registers { group: usize },
@@ -128,8 +168,7 @@ pub enum ASource {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Chain {
     pub a: ASource,
-    pub b_major: Major,
-    pub b_k_step: usize,
+    pub b: SharedOperand,
     pub k_steps: usize,
     /// The accumulators come in as an input (else they start at zero).
     pub accumulate: bool,
@@ -140,13 +179,9 @@ impl Chain {
     /// starting from zero.
     fn scores(op: SharedOperand) -> Self {
         Self {
-            a: ASource::Shared {
-                major: op.major,
-                k_step: op.k_step(),
-            },
-            b_major: op.major,
-            b_k_step: op.k_step(),
-            k_steps: op.cols / WARPGROUP_K,
+            a: ASource::Shared(op),
+            b: op,
+            k_steps: op.cols() / WARPGROUP_K,
             accumulate: false,
         }
     }
@@ -191,7 +226,7 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
         writeln!(ptx, "mov.b64 db, {{%{next}, %{}}};", next + 1).unwrap();
         next += 2;
         let d = regs(i * ACCUMULATORS, ACCUMULATORS);
-        let transpose_b = (chain.b_major == Major::MN) as u8;
+        let transpose_b = (chain.b.major == Major::MN) as u8;
         for step in 0..chain.k_steps {
             let scale_d = if chain.accumulate || step > 0 {
                 "one"
@@ -199,9 +234,9 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
                 "zero"
             };
             let (a_operand, transpose_a) = match chain.a {
-                ASource::Shared { major, .. } => (
+                ASource::Shared(op) => (
                     "da".to_string(),
-                    format!(", {}", (major == Major::MN) as u8),
+                    format!(", {}", (op.major == Major::MN) as u8),
                 ),
                 ASource::Registers { group } => {
                     assert!(group < register_a && chain.k_steps == 4);
@@ -216,10 +251,10 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
             )
             .unwrap();
             if step + 1 < chain.k_steps {
-                if let ASource::Shared { k_step, .. } = chain.a {
-                    writeln!(ptx, "add.s64 da, da, {k_step};").unwrap();
+                if let ASource::Shared(op) = chain.a {
+                    writeln!(ptx, "add.s64 da, da, {};", op.k_increment(step)).unwrap();
                 }
-                writeln!(ptx, "add.s64 db, db, {};", chain.b_k_step).unwrap();
+                writeln!(ptx, "add.s64 db, db, {};", chain.b.k_increment(step)).unwrap();
             }
         }
     }
@@ -229,8 +264,8 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
 
 /// The score-like products of one block, both operands shared and read K-major (the
 /// tiles' rows are the product's rows and columns, their columns the reduction):
-/// `first = A₀·B₀ᵀ` over the `first_cols` columns of tiles `a0`, `b0` (from elements
-/// `a0_at`, `b0_at`), and `second = A₁·B₁ᵀ` over the `second_cols` columns of `a1`, `b1`,
+/// `first = A₀·B₀ᵀ` over the columns of tiles `a0`, `b0` (from elements
+/// `a0_at`, `b0_at`), and `second = A₁·B₁ᵀ` over the columns of `a1`, `b1`,
 /// each 64 × 64, in one PTX block (see [`chain_ptx`]); written to the pairs of `first` and
 /// `second`. `Sᵀ = K·Qᵀ` with `dPᵀ = V·dOᵀ`, or `S = Q·Kᵀ` with `dP = dO·Vᵀ`.
 #[cube]
@@ -244,14 +279,14 @@ pub fn score_products<F: Float>(
     a1_at: usize,
     b1: &Shared<[F]>,
     b1_at: usize,
-    #[comptime] first_cols: usize,
-    #[comptime] second_cols: usize,
+    #[comptime] first_layout: SharedLayout,
+    #[comptime] second_layout: SharedLayout,
     #[comptime] dtype: FloatDtype,
     first: &mut Array<Pair<f32>>,
     second: &mut Array<Pair<f32>>,
 ) {
-    let op0 = comptime!(SharedOperand::new(first_cols, Major::K));
-    let op1 = comptime!(SharedOperand::new(second_cols, Major::K));
+    let op0 = comptime!(SharedOperand::new(first_layout, Major::K));
+    let op1 = comptime!(SharedOperand::new(second_layout, Major::K));
     let body = comptime!(chain_ptx(
         dtype,
         &[Chain::scores(op0), Chain::scores(op1)],
@@ -294,8 +329,7 @@ impl RegisterProducts {
                 a: ASource::Registers {
                     group: self.a_of[i],
                 },
-                b_major: self.b.major,
-                b_k_step: self.b.k_step(),
+                b: self.b,
                 k_steps: 4,
                 accumulate: true,
             })
@@ -404,25 +438,39 @@ mod tests {
 
     #[test]
     fn descriptor_offsets_follow_the_major() {
-        let k = SharedOperand::new(128, Major::K);
+        let k = SharedOperand::new(SharedLayout::CoreMatrices { cols: 128 }, Major::K);
         assert_eq!(k.offsets(), (128, 2048));
-        assert_eq!(k.k_step(), 16);
+        assert_eq!(k.k_increment(0), 16);
         assert_eq!(k.element(16, 32), 2 * 8 * 128 + 32 * 8);
-        let mn = SharedOperand::new(64, Major::MN);
+        let mn = SharedOperand::new(SharedLayout::CoreMatrices { cols: 64 }, Major::MN);
         assert_eq!(mn.offsets(), (1024, 128));
-        assert_eq!(mn.k_step(), 128);
+        assert_eq!(mn.k_increment(0), 128);
         assert_eq!(mn.element(8, 16), 2 * 8 * 64 + 8 * 8);
     }
 
     #[test]
+    fn swizzled_descriptors_step_inside_the_atoms() {
+        let k = SharedOperand::new(SharedLayout::Swizzled { cols: 128 }, Major::K);
+        // Leading offset unused; 8-row groups 8 × 256 bytes apart; 128-byte mode.
+        assert_eq!((k.offsets(), k.swizzle_mode()), ((16, 2048), 1));
+        // Four steps of 32 bytes through an atom's rows, then the next atom column.
+        let offsets: Vec<_> = (0..8).map(|s| k.k_offset(s)).collect();
+        assert_eq!(offsets, [0, 32, 64, 96, 1024, 1056, 1088, 1120]);
+        assert_eq!((k.k_increment(2), k.k_increment(3)), (2, 58));
+        assert_eq!(k.element(16, 64), 2 * 8 * 128 + 64 * 8);
+        let mn = SharedOperand::new(SharedLayout::Swizzled { cols: 128 }, Major::MN);
+        // Atom columns 1024 bytes apart, 8-row groups 2048.
+        assert_eq!(mn.offsets(), (1024, 2048));
+        assert_eq!(mn.k_offset(3), 3 * 4096);
+        assert_eq!(mn.element(64, 0), 512);
+    }
+
+    #[test]
     fn chain_ptx_numbers_operands_in_input_order() {
+        let k_major = SharedOperand::new(SharedLayout::CoreMatrices { cols: 32 }, Major::K);
         let shared = Chain {
-            a: ASource::Shared {
-                major: Major::K,
-                k_step: 16,
-            },
-            b_major: Major::K,
-            b_k_step: 16,
+            a: ASource::Shared(k_major),
+            b: k_major,
             k_steps: 2,
             accumulate: false,
         };
@@ -440,8 +488,7 @@ mod tests {
 
         let registers = |group| Chain {
             a: ASource::Registers { group },
-            b_major: Major::MN,
-            b_k_step: 256,
+            b: SharedOperand::new(SharedLayout::CoreMatrices { cols: 128 }, Major::MN),
             k_steps: 4,
             accumulate: true,
         };

@@ -38,7 +38,7 @@ use crate::mma_sync::{
 };
 use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{RowLayout, stage_rows_async, stage_vectors_async};
+use crate::tile::{RowLayout, SharedLayout, stage_rows_async, stage_vectors_async};
 use crate::wgmma::{
     ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
     fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
@@ -97,7 +97,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let dv_tiles = comptime!(if with_dv { dvp / TILE_COLS } else { 1 });
     // Warpgroup products read their shared operands as core matrices.
     let warpgroup = comptime!(config.warpgroup.is_some());
-    let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
+    let dtype = comptime!(config.warpgroup.map_or(FloatDtype::BF16, |w| w.dtype));
     let (qk_layout, v_layout, align) = comptime!(config.shared_layouts());
     let q_stage = comptime!(qk_layout.len(block_q));
     let do_stage = comptime!(v_layout.len(block_q));
@@ -325,8 +325,8 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 0,
                 &do_tile,
                 do_base,
-                dqk,
-                dvp,
+                qk_layout,
+                v_layout,
                 dtype,
                 &mut s_acc,
                 &mut dp_acc,
@@ -442,7 +442,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     do_base,
                     &q_tile,
                     q_base,
-                    dvp,
+                    v_layout,
                     dtype,
                 );
             } else {
@@ -455,7 +455,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     do_base,
                     &q_tile,
                     q_base,
-                    dvp,
+                    v_layout,
                     dtype,
                 );
             }
@@ -558,11 +558,11 @@ fn key_gradient_products<F: Float, N: Size, M: Size>(
     do_base: usize,
     q_tile: &Shared<[F]>,
     q_base: usize,
-    #[comptime] dim: usize,
+    #[comptime] layout: SharedLayout,
     #[comptime] dtype: FloatDtype,
 ) {
-    let chunks = comptime!(dim / WARPGROUP_COLS);
-    let rows = comptime!(SharedOperand::new(dim, Major::MN));
+    let rows = comptime!(SharedOperand::new(layout, Major::MN));
+    let chunks = comptime!(rows.cols() / WARPGROUP_COLS);
     let pairs = comptime!(ACCUMULATORS / 2);
     let mut acc = Vector::<f32, N>::cast_from(0.0f32);
     let mut a = Vector::<u32, Const<32>>::cast_from(0u32);

@@ -27,7 +27,7 @@ use crate::mma_sync::{
 };
 use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
+use crate::tile::{Head, RowLayout, SharedLayout, last_first, row_offset, stage_rows_async};
 use crate::wgmma::{
     ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
     fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
@@ -74,7 +74,7 @@ pub fn flash_backward_dq_mma<F: Float>(
     let dq_tiles = comptime!(dqk / TILE_COLS);
     // Warpgroup products read their shared operands as core matrices.
     let warpgroup = comptime!(config.warpgroup.is_some());
-    let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
+    let dtype = comptime!(config.warpgroup.map_or(FloatDtype::BF16, |w| w.dtype));
     let (qk_layout, v_layout, align) = comptime!(config.shared_layouts());
     let k_stage = comptime!(qk_layout.len(block_k));
     let v_stage = comptime!(v_layout.len(block_k));
@@ -253,8 +253,8 @@ pub fn flash_backward_dq_mma<F: Float>(
                 0,
                 &v_tile,
                 v_base,
-                dqk,
-                dvp,
+                qk_layout,
+                v_layout,
                 dtype,
                 &mut s_acc,
                 &mut dp_acc,
@@ -346,7 +346,7 @@ pub fn flash_backward_dq_mma<F: Float>(
                     &dp_acc,
                     &k_tile,
                     k_base,
-                    dqk,
+                    qk_layout,
                     dtype,
                 );
             } else {
@@ -355,7 +355,7 @@ pub fn flash_backward_dq_mma<F: Float>(
                     &dp_acc,
                     &k_tile,
                     k_base,
-                    dqk,
+                    qk_layout,
                     dtype,
                 );
             }
@@ -406,11 +406,11 @@ fn query_gradient_products<F: Float, N: Size, M: Size>(
     ds: &Array<Pair<f32>>,
     k_tile: &Shared<[F]>,
     k_base: usize,
-    #[comptime] dim: usize,
+    #[comptime] layout: SharedLayout,
     #[comptime] dtype: FloatDtype,
 ) {
-    let chunks = comptime!(dim / WARPGROUP_COLS);
-    let rows = comptime!(SharedOperand::new(dim, Major::MN));
+    let rows = comptime!(SharedOperand::new(layout, Major::MN));
+    let chunks = comptime!(rows.cols() / WARPGROUP_COLS);
     let pairs = comptime!(ACCUMULATORS / 2);
     let mut acc = Vector::<f32, N>::cast_from(0.0f32);
     let mut a = Vector::<u32, Const<32>>::cast_from(0u32);

@@ -31,9 +31,9 @@ mod preprocess;
 use cubecl::prelude::*;
 
 use crate::config::{
-    DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, apply_tile_override,
-    choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_backward_tiles,
-    warpgroup_backward,
+    DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, Warpgroup,
+    apply_tile_override, choose_mma_tiles, choose_path, choose_portable_tiles,
+    choose_register_backward_tiles, warpgroup_backward,
 };
 use crate::error::FlashError;
 use crate::launch::{
@@ -397,7 +397,8 @@ pub(crate) fn register_backward_config(
 
 /// `config` with `FLASH_MMA_BWD_TILES=planes,block_stream` (e.g. `8,32`) applied, for tuning;
 /// `FLASH_WGMMA=1` puts both kernels' products on warpgroup instructions where they apply
-/// ([`RegisterBackwardConfig::warpgroup`]; `dkdv` or `dq`: that kernel alone).
+/// ([`RegisterBackwardConfig::warpgroup`]; `dkdv` or `dq`: that kernel alone), with their
+/// tiles swizzled unless `FLASH_WGMMA_SWIZZLE=0`.
 fn tuned(
     config: RegisterBackwardConfig,
     problem: &AttentionProblem,
@@ -423,8 +424,14 @@ fn tuned(
         |config| config.shared_bytes(problem.dtype.size()),
         limits,
     )?;
+    let swizzled = std::env::var("FLASH_WGMMA_SWIZZLE").as_deref() != Ok("0");
     let warpgroup = match std::env::var("FLASH_WGMMA").as_deref() {
-        Ok("1" | "dkdv" | "dq") => warpgroup_backward(problem, limits, &config),
+        Ok("1" | "dkdv" | "dq") => {
+            warpgroup_backward(problem, limits, &config).map(|warpgroup| Warpgroup {
+                swizzled,
+                ..warpgroup
+            })
+        }
         _ => None,
     };
     Ok(RegisterBackwardConfig {
