@@ -462,23 +462,12 @@ pub struct RegisterBackwardConfig {
     /// Those atomics add two neighbouring values per instruction
     /// ([`DeviceLimits::paired_f32_atomics`]).
     pub paired_atomics: bool,
-    /// The dK/dV and dQ kernels' products on warpgroup instructions ([`crate::wgmma`]):
-    /// sm_90, cubes of 4 planes
-    /// (one warpgroup), 64-row blocks, `d_qk = d_v ∈ {64, 128}`, dQ in its own pass
-    /// ([`warpgroup_backward`]). Off unless asked for (`FLASH_WGMMA`, see
-    /// `backward::tuned`): correct, but measured 10–20% slower than `mma.sync` on the
-    /// H200 (docs/benchmarks.md).
-    pub warpgroup: Option<Warpgroup>,
-}
-
-/// The backward kernels' warpgroup products ([`RegisterBackwardConfig::warpgroup`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Warpgroup {
-    /// The input dtype.
-    pub dtype: FloatDtype,
-    /// Shared tiles swizzled in 128-byte atoms ([`SharedLayout::Swizzled`]), else core
-    /// matrices without swizzling ([`SharedLayout::CoreMatrices`]).
-    pub swizzled: bool,
+    /// The dK/dV and dQ kernels' products on warpgroup instructions ([`crate::wgmma`]) for
+    /// inputs of this dtype, their shared tiles swizzled: sm_90, cubes of 4 planes (one
+    /// warpgroup), 64-row blocks, `d_qk = d_v ∈ {64, 128}`, dQ in its own pass
+    /// ([`warpgroup_backward`]). The default where it applies (`FLASH_WGMMA=0` turns it off
+    /// for comparison, see `backward::tuned`).
+    pub warpgroup: Option<FloatDtype>,
 }
 
 /// How the dK/dV kernel with [`RegisterBackwardConfig::atomic_dq`] shares a query block's
@@ -527,20 +516,15 @@ impl RegisterBackwardConfig {
         elem * (qk.len(rows) + v.len(rows) + scores)
     }
     /// How both kernels stage the rows of Q or K and of V or dO in shared memory, and the
-    /// tiles' alignment: the layout the warpgroup products read ([`Warpgroup`]), else rows
-    /// padded by 16 bytes.
+    /// tiles' alignment: swizzled for warpgroup products (atoms aligned to 1024 bytes), else
+    /// rows padded by 16 bytes.
     pub fn shared_layouts(&self) -> (SharedLayout, SharedLayout, usize) {
         let (dqk, dvp) = (self.dim_qk_padded(), self.dim_v_padded());
         match self.warpgroup {
-            Some(Warpgroup { swizzled: true, .. }) => (
+            Some(_) => (
                 SharedLayout::Swizzled { cols: dqk },
                 SharedLayout::Swizzled { cols: dvp },
                 1024,
-            ),
-            Some(_) => (
-                SharedLayout::CoreMatrices { cols: dqk },
-                SharedLayout::CoreMatrices { cols: dvp },
-                128,
             ),
             None => (
                 SharedLayout::rows(RegisterMmaConfig::stride(dqk)),
@@ -616,20 +600,26 @@ pub fn choose_register_backward_tiles(
     // Split launches hold half the accumulators: 8 planes of 32-row blocks ran 22% faster
     // than 4 of 64 at d256 on the H200 (docs/benchmarks.md).
     let wide = 8.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
-    let atomic = (!problem.options.deterministic && problem.seq_q >= ATOMIC_DQ_MIN_SEQ_Q)
-        .then_some((true, false, wide, 64));
-    atomic
+    // sm_90: warpgroup products with dQ in its own pass, at every length (1.4–1.6× the
+    // `mma.sync` kernels on the H200, docs/benchmarks.md); deterministic.
+    let warpgroup = warpgroup_backward(problem, limits);
+    let first = match warpgroup {
+        Some(_) => Some((false, false, 4, 64, warpgroup)),
+        None => (!problem.options.deterministic && problem.seq_q >= ATOMIC_DQ_MIN_SEQ_Q)
+            .then_some((true, false, wide, 64, None)),
+    };
+    first
         .into_iter()
         .chain([
-            (false, false, planes, 64),
-            (false, false, planes, 32),
-            (false, false, planes, 16),
-            (false, true, wide, 32),
-            (false, true, planes, 32),
-            (false, true, planes, 16),
+            (false, false, planes, 64, None),
+            (false, false, planes, 32, None),
+            (false, false, planes, 16, None),
+            (false, true, wide, 32, None),
+            (false, true, planes, 32, None),
+            (false, true, planes, 16, None),
         ])
         .map(
-            |(atomic_dq, split, planes, block_stream)| RegisterBackwardConfig {
+            |(atomic_dq, split, planes, block_stream, warpgroup)| RegisterBackwardConfig {
                 planes,
                 block_stream,
                 dim_qk: problem.dim_qk,
@@ -639,7 +629,7 @@ pub fn choose_register_backward_tiles(
                 split,
                 atomic_dq,
                 paired_atomics: limits.paired_f32_atomics,
-                warpgroup: None,
+                warpgroup,
             },
         )
         .find(|c| {
@@ -656,26 +646,17 @@ pub fn choose_register_backward_tiles(
         })
 }
 
-/// The backward kernels' warpgroup products for `config` (swizzled tiles;
-/// [`RegisterBackwardConfig::warpgroup`]), or `None` where they do not apply: a device
-/// without them, atomic dQ or split launches, tiles other than 4 planes × 64-query blocks,
-/// head dims other than `d_qk = d_v ∈ {64, 128}` (each product is 64 columns wide).
-pub fn warpgroup_backward(
-    problem: &AttentionProblem,
-    limits: &DeviceLimits,
-    config: &RegisterBackwardConfig,
-) -> Option<Warpgroup> {
+/// The input dtype of the backward kernels' warpgroup products
+/// ([`RegisterBackwardConfig::warpgroup`]), or `None` where they do not apply: a device
+/// without them (anything but sm_90), cubes of fewer than 4 planes, head dims other than
+/// `d_qk = d_v ∈ {64, 128}` (each product is 64 columns wide).
+pub fn warpgroup_backward(problem: &AttentionProblem, limits: &DeviceLimits) -> Option<FloatDtype> {
     (limits.warpgroup_mma
         && limits.has_register_mma(problem.dtype)
-        && !config.atomic_dq
-        && !config.split
-        && (config.planes, config.block_stream) == (4, 64)
+        && limits.max_units_per_cube >= 4 * MMA_SYNC_PLANE
         && problem.dim_qk == problem.dim_v
         && matches!(problem.dim_qk, 64 | 128))
-    .then_some(Warpgroup {
-        dtype: problem.dtype,
-        swizzled: true,
-    })
+    .then_some(problem.dtype)
 }
 
 /// Applies the tuning override in environment variable `var` (comma-separated numbers) to
@@ -948,8 +929,12 @@ mod tests {
             );
             assert_eq!(c.block_rows(), 4 * FRAGMENT);
         }
-        // Long query sequences take dQ by atomics, with 128-key cubes, where the planes share
-        // it evenly; short ones the dQ pass.
+        // Without warpgroup products (sm_80), long query sequences take dQ by atomics, with
+        // 128-key cubes, where the planes share it evenly; short ones the dQ pass.
+        let sm80 = DeviceLimits {
+            warpgroup_mma: false,
+            ..NVIDIA
+        };
         let long = |d: usize| {
             let mut p = problem(d, d);
             p.seq_q = ATOMIC_DQ_MIN_SEQ_Q;
@@ -957,11 +942,11 @@ mod tests {
         };
         for d in [64, 96, 128] {
             assert!(
-                !choose_register_backward_tiles(&problem(d, d), &NVIDIA)
+                !choose_register_backward_tiles(&problem(d, d), &sm80)
                     .unwrap()
                     .atomic_dq
             );
-            let c = choose_register_backward_tiles(&long(d), &NVIDIA).unwrap();
+            let c = choose_register_backward_tiles(&long(d), &sm80).unwrap();
             assert!(c.atomic_dq && c.paired_atomics && !c.split, "d={d}");
             assert_eq!((c.planes, c.block_stream), (8, 64), "d={d}");
             assert!(c.accumulator_registers() <= MMA_SYNC_REGISTER_BUDGET);
@@ -971,31 +956,22 @@ mod tests {
             assert_eq!(split.groups * FRAGMENT, c.block_stream);
             assert_eq!(parts * split.width, c.dim_qk_padded(), "d={d}");
         }
-        // Warpgroup products apply on sm_90 where dQ has its own pass and the head dims are
-        // 64 or 128, nowhere else; the heuristic leaves them off.
-        let warpgroup = |p: &AttentionProblem, limits: &DeviceLimits| {
-            let c = choose_register_backward_tiles(p, limits).unwrap();
-            assert_eq!(c.warpgroup, None);
-            warpgroup_backward(p, limits, &c)
-        };
-        let sm80 = DeviceLimits {
-            warpgroup_mma: false,
-            ..NVIDIA
-        };
+        // On sm_90, warpgroup products with dQ in its own pass, at every length, where the
+        // head dims are 64 or 128; nowhere else.
         for (d, applies) in [(40, false), (64, true), (96, false), (128, true)] {
-            let p = problem(d, d);
-            assert_eq!(
-                warpgroup(&p, &NVIDIA),
-                applies.then_some(Warpgroup {
-                    dtype: FloatDtype::F16,
-                    swizzled: true
-                }),
-                "d={d}"
-            );
-            assert_eq!(warpgroup(&p, &sm80), None, "d={d}");
+            for p in [problem(d, d), long(d)] {
+                let c = choose_register_backward_tiles(&p, &NVIDIA).unwrap();
+                assert_eq!(c.warpgroup, applies.then_some(FloatDtype::F16), "d={d}");
+                if applies {
+                    assert!(!c.atomic_dq && !c.split, "d={d}");
+                    assert_eq!((c.planes, c.block_stream), (4, 64));
+                    assert!(c.shared_bytes(2) <= NVIDIA.max_shared_memory, "d={d}");
+                }
+                let c = choose_register_backward_tiles(&p, &sm80).unwrap();
+                assert_eq!(c.warpgroup, None, "d={d}");
+            }
         }
-        assert_eq!(warpgroup(&long(128), &NVIDIA), None);
-        assert_eq!(warpgroup(&problem(128, 64), &NVIDIA), None);
+        assert_eq!(warpgroup_backward(&problem(128, 64), &NVIDIA), None);
         // d40 pads to three 16-column fragments: two parts cannot share them.
         let c = choose_register_backward_tiles(&long(40), &NVIDIA).unwrap();
         assert!(!c.atomic_dq && c.planes == 4);

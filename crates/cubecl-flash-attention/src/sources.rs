@@ -25,9 +25,7 @@ use crate::backward::{
     flash_backward_dq, flash_backward_dq_cmma, flash_backward_dq_from_sum, flash_backward_dq_mma,
     register_backward_config,
 };
-use crate::config::{
-    ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients, RegisterBackwardConfig, warpgroup_backward,
-};
+use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
 use crate::forward::{
     flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
     register_mma_config,
@@ -532,7 +530,13 @@ fn kernels(
         ));
         // The backward's own kernels where its accumulators fit registers (otherwise it runs
         // the `cmma` kernels below): dQ by atomics in the dK/dV kernel (long query sequences),
-        // or in its own pass (short ones, or a deterministic backward).
+        // or in its own pass (short ones, or a deterministic backward); on sm_90, where they
+        // apply, on warpgroup products, and also without them (`FLASH_WGMMA=0`).
+        let without_warpgroup = DeviceLimits {
+            warpgroup_mma: false,
+            ..*limits
+        };
+        let mut configs = Vec::new();
         for deterministic in [false, true] {
             let problem = AttentionProblem {
                 options: AttentionOptions {
@@ -542,18 +546,16 @@ fn kernels(
                 seq_q: problem.seq_q.max(ATOMIC_DQ_MIN_SEQ_Q),
                 ..*problem
             };
-            let Ok(default) = register_backward_config(&problem, limits) else {
-                continue;
-            };
-            // And, where they apply (sm_90), the kernels on warpgroup products, which run
-            // when asked for (`FLASH_WGMMA`).
-            let warpgroup = warpgroup_backward(&problem, limits, &default).map(|warpgroup| {
-                RegisterBackwardConfig {
-                    warpgroup: Some(warpgroup),
-                    ..default
+            for limits in [limits, &without_warpgroup] {
+                if let Ok(c) = register_backward_config(&problem, limits)
+                    && !configs.contains(&c)
+                {
+                    configs.push(c);
                 }
-            });
-            for c in std::iter::once(default).chain(warpgroup) {
+            }
+        }
+        {
+            for c in configs {
                 for &gradients in c.key_gradients() {
                     let name = match gradients {
                         KeyGradients::Both if c.atomic_dq => "backward_dkdv_dq_mma",

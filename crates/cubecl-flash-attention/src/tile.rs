@@ -250,11 +250,6 @@ pub enum SharedLayout {
     /// Row `r` at `r · stride`: read by `ldmatrix`, whose lanes address one 16-byte row
     /// each (a padded stride keeps their banks apart).
     Rows { stride: usize },
-    /// Core matrices of 8 rows × 16 bytes, each 128 contiguous bytes, as the warpgroup
-    /// products read a shared operand without swizzling ([`crate::wgmma`]): the 8-row
-    /// groups one after the other, each holding its `cols / 8` core matrices in column
-    /// order.
-    CoreMatrices { cols: usize },
     /// Rows of 128 bytes (64 columns of 16-bit elements) swizzled as the warpgroup
     /// products' 128-byte mode reads them ([`crate::wgmma`]): the tile is cut into atoms of
     /// 8 rows × 64 columns, 1024 contiguous bytes each (the 8-row groups one after the
@@ -272,30 +267,27 @@ impl SharedLayout {
     pub const fn len(&self, rows: usize) -> usize {
         match *self {
             Self::Rows { stride } => rows * stride,
-            Self::CoreMatrices { cols } | Self::Swizzled { cols } => rows * cols,
+            Self::Swizzled { cols } => rows * cols,
         }
     }
 }
 
-/// Element offset of row `r`, column `c` (a multiple of 8 for [`SharedLayout::CoreMatrices`]
-/// and [`SharedLayout::Swizzled`]) in a tile laid out as `layout`.
+/// Element offset of row `r`, column `c` (a multiple of 8 for [`SharedLayout::Swizzled`]) in
+/// a tile laid out as `layout`.
 #[cube]
 pub fn shared_offset(r: usize, c: usize, #[comptime] layout: SharedLayout) -> usize {
-    let (kind, width) = comptime!(match layout {
-        SharedLayout::Rows { stride } => (0u8, stride),
-        SharedLayout::CoreMatrices { cols } => (1u8, cols),
-        SharedLayout::Swizzled { cols } => (2u8, cols),
+    let (swizzled, width) = comptime!(match layout {
+        SharedLayout::Rows { stride } => (false, stride),
+        SharedLayout::Swizzled { cols } => (true, cols),
     });
-    if comptime!(kind == 0) {
-        r * width + c
-    } else if comptime!(kind == 1) {
-        (r / 8) * comptime!(8 * width) + (r % 8) * COPY + c * COPY
-    } else {
+    if comptime!(swizzled) {
         let chunk = (c / COPY) % SWIZZLE_CHUNKS;
         (r / 8) * comptime!(8 * width)
             + (c / SWIZZLE_COLS) * comptime!(8 * SWIZZLE_COLS)
             + (r % 8) * SWIZZLE_COLS
             + (chunk ^ (r % 8)) * COPY
+    } else {
+        r * width + c
     }
 }
 
@@ -314,9 +306,9 @@ const SWIZZLE_CHUNKS: usize = SWIZZLE_COLS / COPY;
 ///
 /// A block wholly inside the sequence whose copies divide evenly among the units (the
 /// common case) takes a path without per-row checks: each unit copies the same 16 bytes of
-/// every `units / per_row`-th row, one address increment apart. Neighbouring units write
-/// neighbouring 16 bytes of shared memory: the same row's next columns in rows, the next
-/// row of the same core matrix in core matrices.
+/// every `units / per_row`-th row, one address increment apart (swizzled: of every
+/// `units / 8`-th row of one atom column). Neighbouring units read neighbouring 16 bytes of
+/// a row.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows_async<F: Float>(
@@ -338,13 +330,11 @@ pub fn stage_rows_async<F: Float>(
     let row_stride = usize::cast_from(rows_of.row_stride);
     let per_row = comptime!(padded / COPY);
     let total = comptime!(rows * per_row);
-    let blocked = comptime!(matches!(layout, SharedLayout::CoreMatrices { .. }));
     let swizzled = comptime!(matches!(layout, SharedLayout::Swizzled { .. }));
     let regular = comptime!(
         dim == padded
             && units.is_multiple_of(per_row)
             && total.is_multiple_of(units)
-            && (!blocked || (units / per_row).is_multiple_of(8))
             && (!swizzled
                 || (units.is_multiple_of(8 * SWIZZLE_CHUNKS)
                     && (rows * SWIZZLE_CHUNKS).is_multiple_of(units)))
@@ -371,17 +361,8 @@ pub fn stage_rows_async<F: Float>(
     } else if comptime!(regular) && first + rows <= seq {
         let rows_per_pass = comptime!(units / per_row);
         let unit = UNIT_POS as usize;
-        // Eight neighbouring units write one core matrix.
-        let r = if comptime!(blocked) {
-            unit % 8 + (unit / (8 * per_row)) * 8
-        } else {
-            unit / per_row
-        };
-        let c = if comptime!(blocked) {
-            ((unit / 8) % per_row) * COPY
-        } else {
-            (unit % per_row) * COPY
-        };
+        let r = unit / per_row;
+        let c = (unit % per_row) * COPY;
         let src = base + (first + r) * row_stride + c;
         let dst = offset + shared_offset(r, c, layout);
         let src_pass = rows_per_pass * row_stride;

@@ -5,13 +5,13 @@
 //! operand is read once per warpgroup instead of once per plane, and never passes through
 //! registers.
 //!
-//! Shared operands are tiles in [`crate::tile::SharedLayout::Swizzled`] (128-byte swizzle)
-//! or [`crate::tile::SharedLayout::CoreMatrices`] (no swizzling), described to the
-//! instruction by a 64-bit matrix descriptor ([`Descriptor`]): the start address, two byte
-//! offsets between the layout's blocks along the reduction (`K`) and along the rows or
-//! columns of the product (`M`/`N`), and the swizzle mode ([`SharedOperand::offsets`]). A
-//! tile of rows is read K-major when its rows are the product's `M`/`N` (Q, K as in `K·Qᵀ`)
-//! and MN-major when its rows are the reduction (Q, dO as in `dSᵀ·Q`, `Pᵀ·dO`).
+//! Shared operands are tiles in [`crate::tile::SharedLayout::Swizzled`] (128-byte swizzle,
+//! the layout the tensor cores read fastest: without swizzling, the same products measured
+//! slower than `mma.sync`), described to the instruction by a 64-bit matrix descriptor
+//! ([`Descriptor`]): the start address, two byte offsets between the layout's atoms
+//! ([`SharedOperand::offsets`]) and the swizzle mode. A tile of rows is read K-major when its
+//! rows are the product's `M`/`N` (Q, K as in `K·Qᵀ`) and MN-major when its rows are the
+//! reduction (Q, dO as in `dSᵀ·Q`, `Pᵀ·dO`).
 //!
 //! Accumulators are laid out per plane exactly as [`crate::mma_sync`]'s: plane `w` holds
 //! rows `16w..16w + 16`, its 8-column tile `n` in pairs `2n` (row `g`) and `2n + 1` (row
@@ -51,56 +51,42 @@ pub enum Major {
     MN,
 }
 
-/// A shared operand: a tile laid out as `layout` ([`SharedLayout::CoreMatrices`] or
-/// [`SharedLayout::Swizzled`]) read as `major`.
+/// A shared operand: a [`SharedLayout::Swizzled`] tile of `cols` columns read as `major`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SharedOperand {
-    pub layout: SharedLayout,
+    pub cols: usize,
     pub major: Major,
 }
 
 impl SharedOperand {
     pub const fn new(layout: SharedLayout, major: Major) -> Self {
-        Self { layout, major }
-    }
-    /// Columns of the tile.
-    pub const fn cols(&self) -> usize {
-        match self.layout {
-            SharedLayout::CoreMatrices { cols } | SharedLayout::Swizzled { cols } => cols,
-            SharedLayout::Rows { .. } => panic!("warpgroup products read core matrices"),
+        match layout {
+            SharedLayout::Swizzled { cols } => Self { cols, major },
+            SharedLayout::Rows { .. } => panic!("warpgroup products read swizzled tiles"),
         }
     }
     /// Bytes between neighbouring 8-row groups of the tile (16-bit elements).
     const fn row_groups(&self) -> usize {
-        16 * self.cols()
+        16 * self.cols
     }
-    /// The descriptor's (leading, stride) byte offsets. Without swizzling: between core
-    /// matrices along the reduction, and along `M`/`N`. Swizzled, K-major: unused (1 in
-    /// 16-byte units) and between 8-row groups; MN-major: between 64-column atoms and
-    /// between 8-row groups.
+    /// The descriptor's (leading, stride) byte offsets. K-major: unused (1 in 16-byte units)
+    /// and between 8-row groups; MN-major: between 64-column atoms and between 8-row groups.
     pub const fn offsets(&self) -> (usize, usize) {
-        match (self.layout, self.major) {
-            (SharedLayout::Swizzled { .. }, Major::K) => (16, self.row_groups()),
-            (SharedLayout::Swizzled { .. }, Major::MN) => (ATOM_BYTES, self.row_groups()),
-            (_, Major::K) => (128, self.row_groups()),
-            (_, Major::MN) => (self.row_groups(), 128),
+        match self.major {
+            Major::K => (16, self.row_groups()),
+            Major::MN => (ATOM_BYTES, self.row_groups()),
         }
     }
-    /// The descriptor's layout mode (bits 62–63): 0 without swizzling, 1 for 128 bytes.
-    pub const fn swizzle_mode(&self) -> u32 {
-        matches!(self.layout, SharedLayout::Swizzled { .. }) as u32
-    }
     /// Byte offset of reduction step `step` (16 of the reduction) from the operand's start.
-    /// K-major and swizzled, a step moves 32 bytes inside a 128-byte atom row (the tensor
-    /// cores apply the swizzle to the address), then on to the next atom.
+    /// K-major, a step moves 32 bytes inside a 128-byte atom row (the tensor cores apply the
+    /// swizzle to the address), then on to the next atom; MN-major, two 8-row groups.
     pub const fn k_offset(&self, step: usize) -> usize {
-        match (self.layout, self.major) {
-            (SharedLayout::Swizzled { .. }, Major::K) => {
+        match self.major {
+            Major::K => {
                 let per_atom = SWIZZLE_COLS / WARPGROUP_K;
                 (step / per_atom) * ATOM_BYTES + (step % per_atom) * 2 * WARPGROUP_K
             }
-            (_, Major::K) => step * 2 * 128,
-            (_, Major::MN) => step * 2 * self.row_groups(),
+            Major::MN => step * 2 * self.row_groups(),
         }
     }
     /// Descriptor increment (16-byte units of its start address) from reduction step `step`
@@ -109,25 +95,21 @@ impl SharedOperand {
         (self.k_offset(step + 1) - self.k_offset(step)) / 16
     }
     /// Element offset, in the tile, of the operand's `M`/`N` index `mn` and reduction index
-    /// `k`: multiples of 8, and along the tile's columns of 64 where swizzled.
+    /// `k`: multiples of 8 along the tile's rows, of 64 along its columns.
     pub const fn element(&self, mn: usize, k: usize) -> usize {
         let (row, col) = match self.major {
             Major::K => (mn, k),
             Major::MN => (k, mn),
         };
-        let groups = (row / 8) * 8 * self.cols();
-        match self.layout {
-            SharedLayout::Swizzled { .. } => {
-                assert!(col.is_multiple_of(SWIZZLE_COLS));
-                groups + col * 8
-            }
-            _ => groups + col * 8,
-        }
+        assert!(row.is_multiple_of(8) && col.is_multiple_of(SWIZZLE_COLS));
+        row * self.cols + col * 8
     }
 }
 
 /// Bytes of one swizzle atom (8 rows of 128 bytes).
 const ATOM_BYTES: usize = 1024;
+/// The descriptor's layout mode (bits 62–63 of the descriptor) for 128-byte swizzling.
+const SWIZZLE_128B: u32 = 1 << 30;
 
 /// A shared-memory matrix descriptor, as two 32-bit halves: start address (bits 0–13, in
 /// 16-byte units), leading byte offset (16–29), stride byte offset (32–45), layout mode
@@ -149,7 +131,7 @@ pub fn descriptor<F: Float>(
     let address = shared_address(tile) + u32::cast_from(offset * F::size());
     Descriptor {
         lo: ((address & 0x3FFFF) >> 4) | comptime!(((leading >> 4) << 16) as u32),
-        hi: comptime!((stride >> 4) as u32 | (operand.swizzle_mode() << 30)),
+        hi: comptime!((stride >> 4) as u32) | SWIZZLE_128B,
     }
 }
 
@@ -181,7 +163,7 @@ impl Chain {
         Self {
             a: ASource::Shared(op),
             b: op,
-            k_steps: op.cols() / WARPGROUP_K,
+            k_steps: op.cols / WARPGROUP_K,
             accumulate: false,
         }
     }
@@ -437,22 +419,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn descriptor_offsets_follow_the_major() {
-        let k = SharedOperand::new(SharedLayout::CoreMatrices { cols: 128 }, Major::K);
-        assert_eq!(k.offsets(), (128, 2048));
-        assert_eq!(k.k_increment(0), 16);
-        assert_eq!(k.element(16, 32), 2 * 8 * 128 + 32 * 8);
-        let mn = SharedOperand::new(SharedLayout::CoreMatrices { cols: 64 }, Major::MN);
-        assert_eq!(mn.offsets(), (1024, 128));
-        assert_eq!(mn.k_increment(0), 128);
-        assert_eq!(mn.element(8, 16), 2 * 8 * 64 + 8 * 8);
-    }
-
-    #[test]
     fn swizzled_descriptors_step_inside_the_atoms() {
         let k = SharedOperand::new(SharedLayout::Swizzled { cols: 128 }, Major::K);
-        // Leading offset unused; 8-row groups 8 × 256 bytes apart; 128-byte mode.
-        assert_eq!((k.offsets(), k.swizzle_mode()), ((16, 2048), 1));
+        // Leading offset unused; 8-row groups 8 × 256 bytes apart.
+        assert_eq!(k.offsets(), (16, 2048));
         // Four steps of 32 bytes through an atom's rows, then the next atom column.
         let offsets: Vec<_> = (0..8).map(|s| k.k_offset(s)).collect();
         assert_eq!(offsets, [0, 32, 64, 96, 1024, 1056, 1088, 1120]);
@@ -467,7 +437,7 @@ mod tests {
 
     #[test]
     fn chain_ptx_numbers_operands_in_input_order() {
-        let k_major = SharedOperand::new(SharedLayout::CoreMatrices { cols: 32 }, Major::K);
+        let k_major = SharedOperand::new(SharedLayout::Swizzled { cols: 64 }, Major::K);
         let shared = Chain {
             a: ASource::Shared(k_major),
             b: k_major,
@@ -488,7 +458,7 @@ mod tests {
 
         let registers = |group| Chain {
             a: ASource::Registers { group },
-            b: SharedOperand::new(SharedLayout::CoreMatrices { cols: 128 }, Major::MN),
+            b: SharedOperand::new(SharedLayout::Swizzled { cols: 128 }, Major::MN),
             k_steps: 4,
             accumulate: true,
         };

@@ -74,7 +74,7 @@ pub fn flash_backward_dq_mma<F: Float>(
     let dq_tiles = comptime!(dqk / TILE_COLS);
     // Warpgroup products read their shared operands as core matrices.
     let warpgroup = comptime!(config.warpgroup.is_some());
-    let dtype = comptime!(config.warpgroup.map_or(FloatDtype::BF16, |w| w.dtype));
+    let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
     let (qk_layout, v_layout, align) = comptime!(config.shared_layouts());
     let k_stage = comptime!(qk_layout.len(block_k));
     let v_stage = comptime!(v_layout.len(block_k));
@@ -410,7 +410,7 @@ fn query_gradient_products<F: Float, N: Size, M: Size>(
     #[comptime] dtype: FloatDtype,
 ) {
     let rows = comptime!(SharedOperand::new(layout, Major::MN));
-    let chunks = comptime!(rows.cols() / WARPGROUP_COLS);
+    let chunks = comptime!(rows.cols / WARPGROUP_COLS);
     let pairs = comptime!(ACCUMULATORS / 2);
     let mut acc = Vector::<f32, N>::cast_from(0.0f32);
     let mut a = Vector::<u32, Const<32>>::cast_from(0u32);

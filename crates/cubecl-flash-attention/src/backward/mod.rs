@@ -31,9 +31,8 @@ mod preprocess;
 use cubecl::prelude::*;
 
 use crate::config::{
-    DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, Warpgroup,
-    apply_tile_override, choose_mma_tiles, choose_path, choose_portable_tiles,
-    choose_register_backward_tiles, warpgroup_backward,
+    DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, apply_tile_override,
+    choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_backward_tiles,
 };
 use crate::error::FlashError;
 use crate::launch::{
@@ -395,16 +394,25 @@ pub(crate) fn register_backward_config(
     )
 }
 
-/// `config` with `FLASH_MMA_BWD_TILES=planes,block_stream` (e.g. `8,32`) applied, for tuning;
-/// `FLASH_WGMMA=1` puts both kernels' products on warpgroup instructions where they apply
-/// ([`RegisterBackwardConfig::warpgroup`]; `dkdv` or `dq`: that kernel alone), with their
-/// tiles swizzled unless `FLASH_WGMMA_SWIZZLE=0`.
+/// `config` with the tuning overrides applied: `FLASH_WGMMA=0` takes the tiles chosen
+/// without warpgroup products (sm_90), for comparison; `FLASH_MMA_BWD_TILES=planes,block_stream`
+/// (e.g. `8,32`) sets the tiles of the `mma.sync` kernels (no warpgroup products).
 fn tuned(
     config: RegisterBackwardConfig,
     problem: &AttentionProblem,
     limits: &DeviceLimits,
 ) -> Result<RegisterBackwardConfig, FlashError> {
-    let config = apply_tile_override(
+    let config = match std::env::var("FLASH_WGMMA").as_deref() {
+        Ok("0") if config.warpgroup.is_some() => choose_register_backward_tiles(
+            problem,
+            &DeviceLimits {
+                warpgroup_mma: false,
+                ..*limits
+            },
+        )?,
+        _ => config,
+    };
+    let tiles = apply_tile_override(
         "FLASH_MMA_BWD_TILES",
         "planes (1 to 16),block_stream (a multiple of 16)",
         RegisterBackwardConfig {
@@ -424,24 +432,15 @@ fn tuned(
         |config| config.shared_bytes(problem.dtype.size()),
         limits,
     )?;
-    let swizzled = std::env::var("FLASH_WGMMA_SWIZZLE").as_deref() != Ok("0");
-    let warpgroup = match std::env::var("FLASH_WGMMA").as_deref() {
-        Ok("1" | "dkdv" | "dq") => {
-            warpgroup_backward(problem, limits, &config).map(|warpgroup| Warpgroup {
-                swizzled,
-                ..warpgroup
-            })
-        }
-        _ => None,
-    };
-    Ok(RegisterBackwardConfig {
-        warpgroup,
-        ..config
+    Ok(match std::env::var_os("FLASH_MMA_BWD_TILES") {
+        Some(_) => tiles,
+        None => config,
     })
 }
 
 /// `config` for the register-level backward kernel `kernel` ("dkdv" or "dq"):
-/// `FLASH_WGMMA=dkdv` (`dq`) keeps the warpgroup products in that kernel alone.
+/// `FLASH_WGMMA=dkdv` (`dq`) keeps the warpgroup products in that kernel alone, for
+/// comparison.
 fn warpgroup_only_for(config: RegisterBackwardConfig, kernel: &str) -> RegisterBackwardConfig {
     match std::env::var("FLASH_WGMMA").as_deref() {
         Ok(only @ ("dkdv" | "dq")) if only != kernel => RegisterBackwardConfig {
