@@ -314,6 +314,11 @@ pub struct RegisterMmaConfig {
     /// Keep the plane's Q fragments in registers for the whole loop (otherwise they are
     /// re-read from shared memory per key block).
     pub q_in_registers: bool,
+    /// The products on warpgroup instructions ([`crate::wgmma`]) for inputs of this dtype,
+    /// Q, K and V swizzled in shared memory, each warpgroup (4 planes) owning 64 query rows
+    /// (`m_tiles = 1`, Q read from shared memory): sm_90, `d_qk = d_v ∈ {64, 128}`, 64- or
+    /// 128-key blocks ([`warpgroup_products`]).
+    pub warpgroup: Option<FloatDtype>,
 }
 
 impl RegisterMmaConfig {
@@ -337,9 +342,17 @@ impl RegisterMmaConfig {
     /// Bytes of shared memory of the forward kernel with `elem`-byte inputs: Q, and two
     /// stages of K and V.
     pub fn forward_shared_bytes(&self, elem: usize) -> usize {
-        let qk = Self::stride(self.dim_qk_padded());
-        let v = Self::stride(self.dim_v_padded());
-        elem * (self.block_rows() * qk + 2 * self.block_kv * (qk + v))
+        let (qk, v, _) = self.shared_layouts();
+        elem * (qk.len(self.block_rows()) + qk.len(2 * self.block_kv) + v.len(2 * self.block_kv))
+    }
+    /// How the forward stages Q, K (first layout) and V in shared memory, and the tiles'
+    /// alignment.
+    pub fn shared_layouts(&self) -> (SharedLayout, SharedLayout, usize) {
+        tile_layouts(
+            self.dim_qk_padded(),
+            self.dim_v_padded(),
+            self.warpgroup.is_some(),
+        )
     }
     /// f32 registers of one unit's accumulators and fragments (scores, output, Q).
     pub fn accumulator_registers(&self) -> usize {
@@ -351,6 +364,25 @@ impl RegisterMmaConfig {
             0
         };
         scores + output + q
+    }
+}
+
+/// Shared-memory layouts of tiles of `dqk`- and `dv`-column rows, and their alignment:
+/// swizzled for warpgroup products (atoms aligned to 1024 bytes), else rows padded by 16
+/// bytes for `ldmatrix`.
+fn tile_layouts(dqk: usize, dv: usize, warpgroup: bool) -> (SharedLayout, SharedLayout, usize) {
+    if warpgroup {
+        (
+            SharedLayout::Swizzled { cols: dqk },
+            SharedLayout::Swizzled { cols: dv },
+            1024,
+        )
+    } else {
+        (
+            SharedLayout::rows(RegisterMmaConfig::stride(dqk)),
+            SharedLayout::rows(RegisterMmaConfig::stride(dv)),
+            16,
+        )
     }
 }
 
@@ -409,7 +441,21 @@ pub fn choose_register_mma_tiles(
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
         q_in_registers: true,
+        warpgroup: None,
     };
+    // sm_90: warpgroup products, one warpgroup of 64 query rows, 64-key blocks.
+    if let Some(dtype) = warpgroup_products(problem, limits) {
+        let config = RegisterMmaConfig {
+            planes: 4,
+            block_kv: 64,
+            q_in_registers: false,
+            warpgroup: Some(dtype),
+            ..base
+        };
+        if config.forward_shared_bytes(elem) <= limits.max_shared_memory {
+            return Ok(config);
+        }
+    }
     let candidates = [
         (2, 128, false),
         (2, 64, true),
@@ -465,7 +511,7 @@ pub struct RegisterBackwardConfig {
     /// The dK/dV and dQ kernels' products on warpgroup instructions ([`crate::wgmma`]) for
     /// inputs of this dtype, their shared tiles swizzled: sm_90, cubes of 4 planes (one
     /// warpgroup), 64-row blocks, `d_qk = d_v ∈ {64, 128}`, dQ in its own pass
-    /// ([`warpgroup_backward`]). The default where it applies (`FLASH_WGMMA=0` turns it off
+    /// ([`warpgroup_products`]). The default where it applies (`FLASH_WGMMA=0` turns it off
     /// for comparison, see `backward::tuned`).
     pub warpgroup: Option<FloatDtype>,
 }
@@ -519,19 +565,11 @@ impl RegisterBackwardConfig {
     /// tiles' alignment: swizzled for warpgroup products (atoms aligned to 1024 bytes), else
     /// rows padded by 16 bytes.
     pub fn shared_layouts(&self) -> (SharedLayout, SharedLayout, usize) {
-        let (dqk, dvp) = (self.dim_qk_padded(), self.dim_v_padded());
-        match self.warpgroup {
-            Some(_) => (
-                SharedLayout::Swizzled { cols: dqk },
-                SharedLayout::Swizzled { cols: dvp },
-                1024,
-            ),
-            None => (
-                SharedLayout::rows(RegisterMmaConfig::stride(dqk)),
-                SharedLayout::rows(RegisterMmaConfig::stride(dvp)),
-                16,
-            ),
-        }
+        tile_layouts(
+            self.dim_qk_padded(),
+            self.dim_v_padded(),
+            self.warpgroup.is_some(),
+        )
     }
     /// The planes' shares of `dQ` under [`Self::atomic_dq`]; `None` where they cannot be
     /// equal (the planes not a multiple of the query groups, or the head dim's 16-column
@@ -602,7 +640,7 @@ pub fn choose_register_backward_tiles(
     let wide = 8.min(limits.max_units_per_cube / MMA_SYNC_PLANE).max(1);
     // sm_90: warpgroup products with dQ in its own pass, at every length (1.4–1.6× the
     // `mma.sync` kernels on the H200, docs/benchmarks.md); deterministic.
-    let warpgroup = warpgroup_backward(problem, limits);
+    let warpgroup = warpgroup_products(problem, limits);
     let first = match warpgroup {
         Some(_) => Some((false, false, 4, 64, warpgroup)),
         None => (!problem.options.deterministic && problem.seq_q >= ATOMIC_DQ_MIN_SEQ_Q)
@@ -646,11 +684,12 @@ pub fn choose_register_backward_tiles(
         })
 }
 
-/// The input dtype of the backward kernels' warpgroup products
-/// ([`RegisterBackwardConfig::warpgroup`]), or `None` where they do not apply: a device
+/// The input dtype of the register-level kernels' warpgroup products
+/// ([`RegisterMmaConfig::warpgroup`], [`RegisterBackwardConfig::warpgroup`]), or `None`
+/// where they do not apply: a device
 /// without them (anything but sm_90), cubes of fewer than 4 planes, head dims other than
 /// `d_qk = d_v ∈ {64, 128}` (each product is 64 columns wide).
-pub fn warpgroup_backward(problem: &AttentionProblem, limits: &DeviceLimits) -> Option<FloatDtype> {
+pub fn warpgroup_products(problem: &AttentionProblem, limits: &DeviceLimits) -> Option<FloatDtype> {
     (limits.warpgroup_mma
         && limits.has_register_mma(problem.dtype)
         && limits.max_units_per_cube >= 4 * MMA_SYNC_PLANE
@@ -738,6 +777,11 @@ mod tests {
         mma_sync_bf16: true,
         paired_f32_atomics: true,
         warpgroup_mma: true,
+    };
+    /// As [`NVIDIA`] (sm_90), without the warpgroup products (sm_80).
+    const SM80: DeviceLimits = DeviceLimits {
+        warpgroup_mma: false,
+        ..NVIDIA
     };
     const AMD: DeviceLimits = DeviceLimits {
         max_shared_memory: 65_536,
@@ -871,11 +915,29 @@ mod tests {
                 assert_eq!(c.dim_v_padded() % FRAGMENT, 0);
             }
         }
-        // Two query tiles per plane where they fit; one for the largest head dims. 128-key
-        // blocks up to d = 64, 64-key blocks above.
-        let c = choose_register_mma_tiles(&problem(64, 64), &NVIDIA).unwrap();
+        // On sm_90, warpgroup products where they apply: a warpgroup of 64 query rows,
+        // 64-key blocks.
+        for (d, applies) in [
+            (40, false),
+            (64, true),
+            (96, false),
+            (128, true),
+            (256, false),
+        ] {
+            let c = choose_register_mma_tiles(&problem(d, d), &NVIDIA).unwrap();
+            assert_eq!(c.warpgroup, applies.then_some(FloatDtype::F16), "d={d}");
+            if applies {
+                assert_eq!((c.planes, c.m_tiles, c.block_kv), (4, 1, 64));
+                assert!(!c.q_in_registers);
+            }
+            let c = choose_register_mma_tiles(&problem(d, d), &SM80).unwrap();
+            assert_eq!(c.warpgroup, None);
+        }
+        // Without them, two query tiles per plane where they fit; one for the largest head
+        // dims. 128-key blocks up to d = 64, 64-key blocks above.
+        let c = choose_register_mma_tiles(&problem(64, 64), &SM80).unwrap();
         assert_eq!((c.m_tiles, c.block_kv, c.q_in_registers), (2, 128, false));
-        let c = choose_register_mma_tiles(&problem(128, 128), &NVIDIA).unwrap();
+        let c = choose_register_mma_tiles(&problem(128, 128), &SM80).unwrap();
         assert_eq!((c.m_tiles, c.block_kv), (2, 64));
         assert_eq!(
             choose_register_mma_tiles(&problem(256, 256), &NVIDIA)
@@ -931,10 +993,7 @@ mod tests {
         }
         // Without warpgroup products (sm_80), long query sequences take dQ by atomics, with
         // 128-key cubes, where the planes share it evenly; short ones the dQ pass.
-        let sm80 = DeviceLimits {
-            warpgroup_mma: false,
-            ..NVIDIA
-        };
+        let sm80 = SM80;
         let long = |d: usize| {
             let mut p = problem(d, d);
             p.seq_q = ATOMIC_DQ_MIN_SEQ_Q;
@@ -971,7 +1030,7 @@ mod tests {
                 assert_eq!(c.warpgroup, None, "d={d}");
             }
         }
-        assert_eq!(warpgroup_backward(&problem(128, 64), &NVIDIA), None);
+        assert_eq!(warpgroup_products(&problem(128, 64), &NVIDIA), None);
         // d40 pads to three 16-column fragments: two parts cannot share them.
         let c = choose_register_backward_tiles(&long(40), &NVIDIA).unwrap();
         assert!(!c.atomic_dq && c.planes == 4);

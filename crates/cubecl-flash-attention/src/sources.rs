@@ -503,39 +503,51 @@ fn kernels(
         && problem.dim_qk.is_multiple_of(8)
         && problem.dim_v.is_multiple_of(8)
     {
-        kernels.push((
-            "forward_mma",
-            register_mma_config(problem, limits).map_err(err).map(|c| {
-                Box::new(flash_forward_mma::FlashForwardMma::new(
-                    settings(c.units()),
-                    props.clone(),
-                    tprops.clone(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    tensor(),
-                    row_layout(),
-                    row_layout(),
-                    row_layout(),
-                    (),
-                    (),
-                    (),
-                    (),
-                    (),
-                    c,
-                    elem,
-                )) as Box<dyn CubeKernel>
-            }),
-        ));
-        // The backward's own kernels where its accumulators fit registers (otherwise it runs
-        // the `cmma` kernels below): dQ by atomics in the dK/dV kernel (long query sequences),
-        // or in its own pass (short ones, or a deterministic backward); on sm_90, where they
-        // apply, on warpgroup products, and also without them (`FLASH_WGMMA=0`).
+        // On sm_90, where they apply, on warpgroup products, and also without them
+        // (`FLASH_WGMMA=0`).
         let without_warpgroup = DeviceLimits {
             warpgroup_mma: false,
             ..*limits
         };
+        let mut forwards = vec![register_mma_config(problem, limits)];
+        if forwards[0].as_ref().is_ok_and(|c| c.warpgroup.is_some()) {
+            forwards.push(register_mma_config(problem, &without_warpgroup));
+        }
+        for config in forwards {
+            kernels.push((
+                if config.as_ref().is_ok_and(|c| c.warpgroup.is_some()) {
+                    "forward_wgmma"
+                } else {
+                    "forward_mma"
+                },
+                config.map_err(err).map(|c| {
+                    Box::new(flash_forward_mma::FlashForwardMma::new(
+                        settings(c.units()),
+                        props.clone(),
+                        tprops.clone(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        row_layout(),
+                        row_layout(),
+                        row_layout(),
+                        (),
+                        (),
+                        (),
+                        (),
+                        (),
+                        c,
+                        elem,
+                    )) as Box<dyn CubeKernel>
+                }),
+            ));
+        }
+        // The backward's own kernels where its accumulators fit registers (otherwise it runs
+        // the `cmma` kernels below): dQ by atomics in the dK/dV kernel (long query sequences),
+        // or in its own pass (short ones, or a deterministic backward); on sm_90 as the
+        // forward.
         let mut configs = Vec::new();
         for deterministic in [false, true] {
             let problem = AttentionProblem {

@@ -34,6 +34,8 @@ use crate::mma_sync::{Pair, shared_address};
 use crate::problem::FloatDtype;
 use crate::tile::{SWIZZLE_COLS, SharedLayout};
 
+/// Planes of a warpgroup.
+pub const WARPGROUP_PLANES: usize = 4;
 /// Rows of A (and of the accumulator) per instruction: 16 per plane of the warpgroup.
 pub const WARPGROUP_ROWS: usize = 64;
 /// Columns of B (and of the accumulator) per instruction.
@@ -140,8 +142,8 @@ pub fn descriptor<F: Float>(
 pub enum ASource {
     /// A shared tile (descriptor input), advanced along the reduction as the operand says.
     Shared(SharedOperand),
-    /// Registers: group `group` of the block's register A inputs, 4 32-bit fragments per
-    /// step for 4 steps ([`pack_register_a`]).
+    /// Registers: the block's register A inputs from group `group` on, 4 32-bit fragments
+    /// per step, a group per 4 steps ([`pack_register_a`]).
     Registers { group: usize },
 }
 
@@ -221,7 +223,7 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
                     format!(", {}", (op.major == Major::MN) as u8),
                 ),
                 ASource::Registers { group } => {
-                    assert!(group < register_a && chain.k_steps == 4);
+                    assert!(4 * group + chain.k_steps <= 4 * register_a);
                     let first = pool + 16 * group + 4 * step;
                     (format!("{{{}}}", regs(first, 4)), String::new())
                 }
@@ -244,12 +246,86 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
     ptx
 }
 
-/// The score-like products of one block, both operands shared and read K-major (the
-/// tiles' rows are the product's rows and columns, their columns the reduction):
-/// `first = A₀·B₀ᵀ` over the columns of tiles `a0`, `b0` (from elements
-/// `a0_at`, `b0_at`), and `second = A₁·B₁ᵀ` over the columns of `a1`, `b1`,
-/// each 64 × 64, in one PTX block (see [`chain_ptx`]); written to the pairs of `first` and
-/// `second`. `Sᵀ = K·Qᵀ` with `dPᵀ = V·dOᵀ`, or `S = Q·Kᵀ` with `dP = dO·Vᵀ`.
+/// What [`shared_products`] computes: `count` (1 or 2) products `acc_i = A_i·B_iᵀ`, both
+/// operands shared tiles read as `ops[i]` (K-major: the tiles' rows are the product's rows
+/// and columns, their columns the reduction), 64 × 64 each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SharedProducts {
+    pub count: usize,
+    pub ops: [SharedOperand; 2],
+}
+
+/// The products of `products` in one PTX block (see [`chain_ptx`]), from zero: `descriptors`
+/// holds each product's A and B descriptor halves in turn ([`pack_descriptor`]); the result
+/// holds 32 accumulators per product (`N`).
+#[cube]
+pub fn shared_products<N: Size, M: Size>(
+    descriptors: Vector<u32, M>,
+    #[comptime] products: SharedProducts,
+    #[comptime] dtype: FloatDtype,
+) -> Vector<f32, N> {
+    let chains = comptime!(
+        (0..products.count)
+            .map(|i| Chain::scores(products.ops[i]))
+            .collect::<Vec<_>>()
+    );
+    let body = comptime!(chain_ptx(dtype, &chains, 0));
+    // As in `register_products`: the vector reaches the block as values.
+    let descriptors = descriptors | Vector::<u32, M>::cast_from(0u32);
+    let acc: Vector<f32, N>;
+    gpu_asm!(
+        "{body}\n// {acc} {descriptors}",
+        body = const body,
+        acc = out(_) acc,
+        descriptors = in(_) descriptors,
+    );
+    acc
+}
+
+/// `S = A·Bᵀ` for the warpgroup's 64 rows of tile `a` (from element `a_at`) against
+/// `64 · count` rows of tile `b` (from element `b_at`), both laid out as `layout` and read
+/// K-major, in one PTX block ([`shared_products`]); written to pairs `16c..16c + 16` of `s`
+/// for each 64 rows `c` of B. `N` is 32 accumulators per 64 rows of B, `M` four descriptor
+/// halves. `S = Q·Kᵀ` in the forward.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn scores_against_rows<F: Float, N: Size, M: Size>(
+    a: &Shared<[F]>,
+    a_at: usize,
+    b: &Shared<[F]>,
+    b_at: usize,
+    #[comptime] layout: SharedLayout,
+    #[comptime] count: usize,
+    #[comptime] dtype: FloatDtype,
+    s: &mut Array<Pair<f32>>,
+) {
+    let op = comptime!(SharedOperand::new(layout, Major::K));
+    let mut descriptors = Vector::<u32, M>::cast_from(0u32);
+    #[unroll]
+    for c in 0..count {
+        pack_descriptor(descriptor(a, a_at, op), &mut descriptors, comptime!(2 * c));
+        pack_descriptor(
+            descriptor(b, b_at + comptime!(op.element(c * WARPGROUP_COLS, 0)), op),
+            &mut descriptors,
+            comptime!(2 * c + 1),
+        );
+    }
+    let products = comptime!(SharedProducts {
+        count,
+        ops: [op, op],
+    });
+    let acc = shared_products::<N, M>(descriptors, products, dtype);
+    #[unroll]
+    for c in 0..count {
+        unpack(acc, comptime!(c * ACCUMULATORS), s, c * ACCUMULATORS / 2);
+    }
+}
+
+/// The score-like products of one block: `first = A₀·B₀ᵀ` over the columns of tiles `a0`,
+/// `b0` (laid out as `first_layout`, from elements `a0_at`, `b0_at`), and `second =
+/// A₁·B₁ᵀ` over those of `a1`, `b1`, each 64 × 64, in one PTX block ([`shared_products`]);
+/// written to the pairs of `first` and `second`. `Sᵀ = K·Qᵀ` with `dPᵀ = V·dOᵀ`, or
+/// `S = Q·Kᵀ` with `dP = dO·Vᵀ`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn score_products<F: Float>(
@@ -269,38 +345,73 @@ pub fn score_products<F: Float>(
 ) {
     let op0 = comptime!(SharedOperand::new(first_layout, Major::K));
     let op1 = comptime!(SharedOperand::new(second_layout, Major::K));
-    let body = comptime!(chain_ptx(
-        dtype,
-        &[Chain::scores(op0), Chain::scores(op1)],
-        0
-    ));
-    let d = descriptor(a0, a0_at, op0);
-    let (a0_lo, a0_hi) = (d.lo, d.hi);
-    let d = descriptor(b0, b0_at, op0);
-    let (b0_lo, b0_hi) = (d.lo, d.hi);
-    let d = descriptor(a1, a1_at, op1);
-    let (a1_lo, a1_hi) = (d.lo, d.hi);
-    let d = descriptor(b1, b1_at, op1);
-    let (b1_lo, b1_hi) = (d.lo, d.hi);
-    let acc: Vector<f32, Const<64>>;
-    gpu_asm!(
-        "{body}\n// {acc} {a0_lo} {a0_hi} {b0_lo} {b0_hi} {a1_lo} {a1_hi} {b1_lo} {b1_hi}",
-        body = const body,
-        acc = out(_) acc,
-        a0_lo = in(_) a0_lo, a0_hi = in(_) a0_hi, b0_lo = in(_) b0_lo, b0_hi = in(_) b0_hi,
-        a1_lo = in(_) a1_lo, a1_hi = in(_) a1_hi, b1_lo = in(_) b1_lo, b1_hi = in(_) b1_hi,
-    );
+    let mut descriptors = Vector::<u32, Const<8>>::cast_from(0u32);
+    pack_descriptor(descriptor(a0, a0_at, op0), &mut descriptors, 0usize);
+    pack_descriptor(descriptor(b0, b0_at, op0), &mut descriptors, 1usize);
+    pack_descriptor(descriptor(a1, a1_at, op1), &mut descriptors, 2usize);
+    pack_descriptor(descriptor(b1, b1_at, op1), &mut descriptors, 3usize);
+    let products = comptime!(SharedProducts {
+        count: 2,
+        ops: [op0, op1],
+    });
+    let acc = shared_products::<Const<64>, Const<8>>(descriptors, products, dtype);
     unpack(acc, 0usize, first, 0);
     unpack(acc, ACCUMULATORS, second, 0);
 }
 
+/// `acc += A·B` on warpgroup instructions, in one PTX block: A the plane's accumulator pairs
+/// `a` (16 rows × `reduction` columns, converted to the input dtype: [`pack_register_a`]),
+/// B the `reduction` rows of `tile` from element `base` (laid out as `layout`, read
+/// MN-major), every 64 of its columns a product into the matching 32 accumulators of `acc`.
+/// `N` is 32 per product, `M` two descriptor halves per product. `dQ += dS·K`, `O += P·V`.
+#[cube]
+pub fn accumulate_from_registers<F: Float, N: Size, M: Size>(
+    acc: &mut Array<Pair<f32>>,
+    a: &Array<Pair<f32>>,
+    tile: &Shared<[F]>,
+    base: usize,
+    #[comptime] layout: SharedLayout,
+    #[comptime] reduction: usize,
+    #[comptime] dtype: FloatDtype,
+) {
+    let rows = comptime!(SharedOperand::new(layout, Major::MN));
+    let chunks = comptime!(rows.cols / WARPGROUP_COLS);
+    let pairs = comptime!(ACCUMULATORS / 2);
+    let mut values = Vector::<f32, N>::cast_from(0.0f32);
+    let mut fragments = Vector::<u32, Const<32>>::cast_from(0u32);
+    let mut b = Vector::<u32, M>::cast_from(0u32);
+    #[unroll]
+    for g in 0..comptime!(reduction / WARPGROUP_COLS) {
+        pack_register_a::<F>(a, g * pairs, &mut fragments, g);
+    }
+    #[unroll]
+    for j in 0..chunks {
+        let at = comptime!(rows.element(j * WARPGROUP_COLS, 0));
+        pack(&*acc, j * pairs, &mut values, comptime!(j * ACCUMULATORS));
+        pack_descriptor(descriptor(tile, base + at, rows), &mut b, j);
+    }
+    let products = comptime!(RegisterProducts {
+        count: chunks,
+        a_of: [0; 4],
+        k_steps: reduction / WARPGROUP_K,
+        b: rows,
+    });
+    let values = register_products(values, fragments, b, products, dtype);
+    #[unroll]
+    for j in 0..chunks {
+        unpack(values, comptime!(j * ACCUMULATORS), acc, j * pairs);
+    }
+}
+
 /// What [`register_products`] computes: `count` (1 to 4) products of 64 columns each,
-/// `acc_i += A_(a_of[i]) · B_i` over 64 of the reduction (4 steps), A from registers (one
-/// of two groups), each B a shared tile read as `b`.
+/// `acc_i += A_(a_of[i]) · B_i` over `16 · k_steps` of the reduction, A from registers
+/// (from group `a_of[i]` of two, a group per 64 of the reduction), each B a shared tile read
+/// as `b`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RegisterProducts {
     pub count: usize,
     pub a_of: [usize; 4],
+    pub k_steps: usize,
     pub b: SharedOperand,
 }
 
@@ -312,7 +423,7 @@ impl RegisterProducts {
                     group: self.a_of[i],
                 },
                 b: self.b,
-                k_steps: 4,
+                k_steps: self.k_steps,
                 accumulate: true,
             })
             .collect()

@@ -589,6 +589,7 @@ fn key_gradient_products<F: Float, N: Size, M: Size>(
     let products = comptime!(RegisterProducts {
         count: 2 * chunks,
         a_of: [0, (chunks == 1) as usize, 1, 1],
+        k_steps: 4,
         b: rows,
     });
     let acc = register_products(acc, a, b, products, dtype);

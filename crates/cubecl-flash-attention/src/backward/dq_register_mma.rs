@@ -27,12 +27,8 @@ use crate::mma_sync::{
 };
 use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
-use crate::tile::{Head, RowLayout, SharedLayout, last_first, row_offset, stage_rows_async};
-use crate::wgmma::{
-    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
-    fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
-    score_products, unpack,
-};
+use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
+use crate::wgmma::{accumulate_from_registers, fence_shared_for_products, score_products};
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -341,21 +337,23 @@ pub fn flash_backward_dq_mma<F: Float>(
         // per product).
         if comptime!(warpgroup) {
             if comptime!(dqk == 128) {
-                query_gradient_products::<F, Const<64>, Const<4>>(
+                accumulate_from_registers::<F, Const<64>, Const<4>>(
                     &mut dq_acc,
                     &dp_acc,
                     &k_tile,
                     k_base,
                     qk_layout,
+                    block_k,
                     dtype,
                 );
             } else {
-                query_gradient_products::<F, Const<32>, Const<2>>(
+                accumulate_from_registers::<F, Const<32>, Const<2>>(
                     &mut dq_acc,
                     &dp_acc,
                     &k_tile,
                     k_base,
                     qk_layout,
+                    block_k,
                     dtype,
                 );
             }
@@ -394,42 +392,5 @@ pub fn flash_backward_dq_mma<F: Float>(
                 config.dim_qk,
             );
         }
-    }
-}
-
-/// `dQ += dS·K` on warpgroup instructions, all 64 keys of the block at once, in one PTX
-/// block: `dS` from registers, K staged as core matrices. `N` is 32 accumulators per
-/// 64-column product (`dim / 64` of them), `M` two descriptor halves per product.
-#[cube]
-fn query_gradient_products<F: Float, N: Size, M: Size>(
-    dq_acc: &mut Array<Pair<f32>>,
-    ds: &Array<Pair<f32>>,
-    k_tile: &Shared<[F]>,
-    k_base: usize,
-    #[comptime] layout: SharedLayout,
-    #[comptime] dtype: FloatDtype,
-) {
-    let rows = comptime!(SharedOperand::new(layout, Major::MN));
-    let chunks = comptime!(rows.cols / WARPGROUP_COLS);
-    let pairs = comptime!(ACCUMULATORS / 2);
-    let mut acc = Vector::<f32, N>::cast_from(0.0f32);
-    let mut a = Vector::<u32, Const<32>>::cast_from(0u32);
-    let mut b = Vector::<u32, M>::cast_from(0u32);
-    pack_register_a::<F>(ds, 0, &mut a, 0usize);
-    #[unroll]
-    for j in 0..chunks {
-        let at = comptime!(rows.element(j * WARPGROUP_COLS, 0));
-        pack(&*dq_acc, j * pairs, &mut acc, comptime!(j * ACCUMULATORS));
-        pack_descriptor(descriptor(k_tile, k_base + at, rows), &mut b, j);
-    }
-    let products = comptime!(RegisterProducts {
-        count: chunks,
-        a_of: [0; 4],
-        b: rows,
-    });
-    let acc = register_products(acc, a, b, products, dtype);
-    #[unroll]
-    for j in 0..chunks {
-        unpack(acc, comptime!(j * ACCUMULATORS), dq_acc, j * pairs);
     }
 }

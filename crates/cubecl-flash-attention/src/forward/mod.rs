@@ -207,16 +207,45 @@ fn plan(
     }
 }
 
-/// Tiles of the register-level forward kernel. `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers`
-/// (e.g. `2,64,0`) overrides the heuristic's choice, for tuning.
+/// Tiles of the register-level forward kernel, with tuning overrides: `FLASH_WGMMA=0` takes
+/// the tiles chosen without warpgroup products (sm_90), for comparison;
+/// `FLASH_WGMMA_FWD_TILES=planes,block_kv` (e.g. `8,64`) sets the warpgroup kernel's tiles,
+/// `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers` (e.g. `2,64,0`) the `mma.sync` kernel's.
 pub(crate) fn register_mma_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
 ) -> Result<RegisterMmaConfig, FlashError> {
+    let limits = match std::env::var("FLASH_WGMMA").as_deref() {
+        Ok("0") => DeviceLimits {
+            warpgroup_mma: false,
+            ..*limits
+        },
+        _ => *limits,
+    };
+    let config = choose_register_mma_tiles(problem, &limits)?;
+    let shared_bytes =
+        |config: &RegisterMmaConfig| config.forward_shared_bytes(problem.dtype.size());
+    if config.warpgroup.is_some() {
+        return apply_tile_override(
+            "FLASH_WGMMA_FWD_TILES",
+            "planes (4 or 8),block_kv (64 or 128)",
+            config,
+            |config, parts| match *parts {
+                [planes @ (4 | 8), block_kv @ (64 | 128)] => {
+                    config.planes = planes;
+                    config.block_kv = block_kv;
+                    true
+                }
+                _ => false,
+            },
+            shared_bytes,
+            &limits,
+        );
+    }
     apply_tile_override(
         "FLASH_MMA_TILES",
         "m_tiles (1 or 2),block_kv (a multiple of 16),q_in_registers (0 or 1)",
-        choose_register_mma_tiles(problem, limits)?,
+        config,
         |config, parts| match *parts {
             [m_tiles, block_kv, q_in_registers]
                 if (1..=2).contains(&m_tiles) && block_kv % 16 == 0 && block_kv > 0 =>
@@ -228,8 +257,8 @@ pub(crate) fn register_mma_config(
             }
             _ => false,
         },
-        |config| config.forward_shared_bytes(problem.dtype.size()),
-        limits,
+        shared_bytes,
+        &limits,
     )
 }
 

@@ -23,8 +23,12 @@ use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
     zeros,
 };
+use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
-use crate::tile::{Head, RowLayout, SharedLayout, last_first, stage_rows_async};
+use crate::tile::{Head, RowLayout, last_first, stage_rows_async};
+use crate::wgmma::{
+    WARPGROUP_PLANES, accumulate_from_registers, fence_shared_for_products, scores_against_rows,
+};
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -64,8 +68,12 @@ pub fn flash_forward_mma<F: Float>(
     let kv_steps = comptime!(block_kv / FRAGMENT);
     let s_tiles = comptime!(block_kv / TILE_COLS);
     let o_tiles = comptime!(dv / TILE_COLS);
-    let k_stage = comptime!(block_kv * qk_ld);
-    let v_stage = comptime!(block_kv * v_ld);
+    // Warpgroup products (sm_90) read swizzled tiles; `mma.sync` padded rows.
+    let warpgroup = comptime!(config.warpgroup.is_some());
+    let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
+    let (qk_layout, v_layout, align) = comptime!(config.shared_layouts());
+    let k_stage = comptime!(qk_layout.len(block_kv));
+    let v_stage = comptime!(v_layout.len(block_kv));
 
     // Exponents in base 2 (`s · log2 e`), for the fast exponential; the softcap
     // `cap · tanh(s / cap)` is scaled the same way.
@@ -93,9 +101,9 @@ pub fn flash_forward_mma<F: Float>(
     let q_end = min(q_begin + block_q, seq_q);
     let plane_row = PLANE_POS as usize * FRAGMENT * m_tiles;
 
-    let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, 16usize);
-    let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, 16usize);
-    let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, 16usize);
+    let mut q_tile = Shared::<[F]>::new_aligned_slice(comptime!(qk_layout.len(block_q)), align);
+    let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, align);
+    let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, align);
     let k_landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let k_landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let v_landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
@@ -136,7 +144,7 @@ pub fn flash_forward_mma<F: Float>(
             block_q,
             config.dim_qk,
             dqk,
-            comptime!(SharedLayout::rows(qk_ld)),
+            qk_layout,
             units,
         );
         stage_rows_async(
@@ -150,7 +158,7 @@ pub fn flash_forward_mma<F: Float>(
             block_kv,
             config.dim_qk,
             dqk,
-            comptime!(SharedLayout::rows(qk_ld)),
+            qk_layout,
             units,
         );
         k_landed_0.commit_copy_async();
@@ -165,7 +173,7 @@ pub fn flash_forward_mma<F: Float>(
             block_kv,
             config.dim_v,
             dv,
-            comptime!(SharedLayout::rows(v_ld)),
+            v_layout,
             units,
         );
         v_landed_0.commit_copy_async();
@@ -184,6 +192,10 @@ pub fn flash_forward_mma<F: Float>(
             k_landed_0.arrive_and_wait();
         } else {
             k_landed_1.arrive_and_wait();
+        }
+        if comptime!(warpgroup) {
+            fence_shared_for_products();
+            sync_cube();
         }
         if comptime!(config.q_in_registers) && block == 0 {
             #[unroll]
@@ -215,7 +227,7 @@ pub fn flash_forward_mma<F: Float>(
                 block_kv,
                 config.dim_qk,
                 dqk,
-                comptime!(SharedLayout::rows(qk_ld)),
+                qk_layout,
                 units,
             );
             if next == 0 {
@@ -225,15 +237,28 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
 
-        // 1. S = Q·Kᵀ.
+        // 1. S = Q·Kᵀ (warpgroup products: the warpgroup's 64 queries × the block's keys,
+        // writing every pair).
+        let k_base = stage * k_stage;
+        if comptime!(warpgroup) {
+            let q_at = (PLANE_POS as usize / WARPGROUP_PLANES) * comptime!(qk_layout.len(64));
+            if comptime!(block_kv == 128) {
+                scores_against_rows::<F, Const<64>, Const<8>>(
+                    &q_tile, q_at, &k_tile, k_base, qk_layout, 2usize, dtype, &mut s_acc,
+                );
+            } else {
+                scores_against_rows::<F, Const<32>, Const<4>>(
+                    &q_tile, q_at, &k_tile, k_base, qk_layout, 1usize, dtype, &mut s_acc,
+                );
+            }
+        }
         #[unroll]
-        for i in 0..comptime!(2 * m_tiles * s_tiles) {
+        for i in 0..comptime!(if warpgroup { 0 } else { 2 * m_tiles * s_tiles }) {
             s_acc[i] = Pair::<f32>::cast_from(0.0f32);
         }
         // Each K fragment serves every query tile of the plane.
-        let k_base = stage * k_stage;
         #[unroll]
-        for kk in 0..k_steps {
+        for kk in 0..comptime!(if warpgroup { 0 } else { k_steps }) {
             if comptime!(!config.q_in_registers) {
                 #[unroll]
                 for t in 0..m_tiles {
@@ -362,6 +387,10 @@ pub fn flash_forward_mma<F: Float>(
         } else {
             v_landed_1.arrive_and_wait();
         }
+        if comptime!(warpgroup) {
+            fence_shared_for_products();
+            sync_cube();
+        }
         if has_next {
             stage_rows_async(
                 v,
@@ -374,7 +403,7 @@ pub fn flash_forward_mma<F: Float>(
                 block_kv,
                 config.dim_v,
                 dv,
-                comptime!(SharedLayout::rows(v_ld)),
+                v_layout,
                 units,
             );
             if next == 0 {
@@ -383,10 +412,22 @@ pub fn flash_forward_mma<F: Float>(
                 v_landed_1.commit_copy_async();
             }
         }
-        // Each V fragment serves every query tile of the plane.
+        // Each V fragment serves every query tile of the plane (warpgroup products: all keys
+        // of the block, 64 columns of O per product).
         let v_base = stage * v_stage;
+        if comptime!(warpgroup) {
+            if comptime!(dv == 128) {
+                accumulate_from_registers::<F, Const<64>, Const<4>>(
+                    &mut o_acc, &s_acc, &v_tile, v_base, v_layout, block_kv, dtype,
+                );
+            } else {
+                accumulate_from_registers::<F, Const<32>, Const<2>>(
+                    &mut o_acc, &s_acc, &v_tile, v_base, v_layout, block_kv, dtype,
+                );
+            }
+        }
         #[unroll]
-        for kk in 0..kv_steps {
+        for kk in 0..comptime!(if warpgroup { 0 } else { kv_steps }) {
             let mut p = Array::<Pair<F>>::new(comptime!(4 * m_tiles));
             #[unroll]
             for t in 0..m_tiles {
