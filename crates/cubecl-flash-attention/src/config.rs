@@ -443,11 +443,16 @@ pub fn choose_register_mma_tiles(
         q_in_registers: true,
         warpgroup: None,
     };
-    // sm_90: warpgroup products, one warpgroup of 64 query rows, 64-key blocks.
-    if let Some(dtype) = warpgroup_products(problem, limits) {
+    // sm_90: warpgroup products, two warpgroups of 64 query rows sharing the key blocks:
+    // 64 keys at d = 64, 128 at d = 128. Swept on the H200 (bf16, s = 1k/4k, causal and not,
+    // docs/benchmarks.md): 8 planes × 64 keys ran d = 64 at 1.05–1.16× the `mma.sync`
+    // forward, 8 × 128 ran d = 128 at 1.02–1.15×; 4 × 64 was slower than `mma.sync` at s = 1k.
+    if let Some(dtype) = warpgroup_products(problem, limits)
+        && limits.max_units_per_cube >= 8 * MMA_SYNC_PLANE
+    {
         let config = RegisterMmaConfig {
-            planes: 4,
-            block_kv: 64,
+            planes: 8,
+            block_kv: problem.dim_qk,
             q_in_registers: false,
             warpgroup: Some(dtype),
             ..base
@@ -910,13 +915,14 @@ mod tests {
                     c.forward_shared_bytes(2) <= NVIDIA.max_shared_memory,
                     "d={d}"
                 );
-                assert_eq!(c.units(), 4 * MMA_SYNC_PLANE);
+                let planes = if c.warpgroup.is_some() { 8 } else { 4 };
+                assert_eq!(c.units(), planes * MMA_SYNC_PLANE);
                 assert_eq!(c.block_kv % FRAGMENT, 0);
                 assert_eq!(c.dim_v_padded() % FRAGMENT, 0);
             }
         }
-        // On sm_90, warpgroup products where they apply: a warpgroup of 64 query rows,
-        // 64-key blocks.
+        // On sm_90, warpgroup products where they apply: two warpgroups of 64 query rows,
+        // as many keys per block as the head dim.
         for (d, applies) in [
             (40, false),
             (64, true),
@@ -927,7 +933,7 @@ mod tests {
             let c = choose_register_mma_tiles(&problem(d, d), &NVIDIA).unwrap();
             assert_eq!(c.warpgroup, applies.then_some(FloatDtype::F16), "d={d}");
             if applies {
-                assert_eq!((c.planes, c.m_tiles, c.block_kv), (4, 1, 64));
+                assert_eq!((c.planes, c.m_tiles, c.block_kv), (8, 1, d));
                 assert!(!c.q_in_registers);
             }
             let c = choose_register_mma_tiles(&problem(d, d), &SM80).unwrap();

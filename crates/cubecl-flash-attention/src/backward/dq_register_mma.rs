@@ -28,7 +28,10 @@ use crate::mma_sync::{
 use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
-use crate::wgmma::{accumulate_from_registers, fence_shared_for_products, score_products};
+use crate::wgmma::{
+    WARPGROUP_PLANES, WARPGROUP_ROWS, accumulate_from_registers, fence_shared_for_products,
+    score_products,
+};
 
 /// Lanes sharing one row of an accumulator tile.
 const LANES_PER_ROW: usize = 4;
@@ -239,14 +242,15 @@ pub fn flash_backward_dq_mma<F: Float>(
             dp_acc[i] = Pair::<f32>::cast_from(0.0f32);
         }
         if comptime!(warpgroup) {
-            // One warpgroup product each: the cube's 64 queries × the block's 64 keys.
+            // One warpgroup product each: the warpgroup's 64 queries × the block's 64 keys.
+            let warpgroup_of = PLANE_POS as usize / WARPGROUP_PLANES;
             score_products(
                 &q_tile,
-                0,
+                warpgroup_of * comptime!(qk_layout.len(WARPGROUP_ROWS)),
                 &k_tile,
                 k_base,
                 &do_tile,
-                0,
+                warpgroup_of * comptime!(v_layout.len(WARPGROUP_ROWS)),
                 &v_tile,
                 v_base,
                 qk_layout,

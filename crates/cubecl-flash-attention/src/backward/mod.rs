@@ -396,7 +396,9 @@ pub(crate) fn register_backward_config(
 
 /// `config` with the tuning overrides applied: `FLASH_WGMMA=0` takes the tiles chosen
 /// without warpgroup products (sm_90), for comparison; `FLASH_MMA_BWD_TILES=planes,block_stream`
-/// (e.g. `8,32`) sets the tiles of the `mma.sync` kernels (no warpgroup products).
+/// (e.g. `8,32`) sets the tiles of the `mma.sync` kernels (no warpgroup products),
+/// `FLASH_WGMMA_BWD_TILES=planes` (4 or 8: one or two warpgroups per cube) those of the
+/// warpgroup kernels.
 fn tuned(
     config: RegisterBackwardConfig,
     problem: &AttentionProblem,
@@ -432,10 +434,26 @@ fn tuned(
         |config| config.shared_bytes(problem.dtype.size()),
         limits,
     )?;
-    Ok(match std::env::var_os("FLASH_MMA_BWD_TILES") {
-        Some(_) => tiles,
-        None => config,
-    })
+    if std::env::var_os("FLASH_MMA_BWD_TILES").is_some() {
+        return Ok(tiles);
+    }
+    if config.warpgroup.is_none() {
+        return Ok(config);
+    }
+    apply_tile_override(
+        "FLASH_WGMMA_BWD_TILES",
+        "planes (4 or 8)",
+        config,
+        |config, parts| match *parts {
+            [planes @ (4 | 8)] => {
+                config.planes = planes;
+                true
+            }
+            _ => false,
+        },
+        |config| config.shared_bytes(problem.dtype.size()),
+        limits,
+    )
 }
 
 /// `config` for the register-level backward kernel `kernel` ("dkdv" or "dq"):
