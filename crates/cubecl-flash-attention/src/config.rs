@@ -514,10 +514,10 @@ pub struct RegisterBackwardConfig {
     /// ([`DeviceLimits::paired_f32_atomics`]).
     pub paired_atomics: bool,
     /// The dK/dV and dQ kernels' products on warpgroup instructions ([`crate::wgmma`]) for
-    /// inputs of this dtype, their shared tiles swizzled: sm_90, cubes of 4 planes (one
-    /// warpgroup), 64-row blocks, `d_qk = d_v ∈ {64, 128}`, dQ in its own pass
-    /// ([`warpgroup_products`]). The default where it applies (`FLASH_WGMMA=0` turns it off
-    /// for comparison, see `backward::tuned`).
+    /// inputs of this dtype, their shared tiles swizzled: sm_90, cubes of one or two
+    /// warpgroups (4 or 8 planes, each warpgroup owning 64 rows), 64-row streamed blocks,
+    /// `d_qk = d_v ∈ {64, 128}`, dQ in its own pass ([`warpgroup_products`]). The default
+    /// where it applies (`FLASH_WGMMA=0` turns it off for comparison, see `backward::tuned`).
     pub warpgroup: Option<FloatDtype>,
 }
 
@@ -646,8 +646,15 @@ pub fn choose_register_backward_tiles(
     // sm_90: warpgroup products with dQ in its own pass, at every length (1.4–1.6× the
     // `mma.sync` kernels on the H200, docs/benchmarks.md); deterministic.
     let warpgroup = warpgroup_products(problem, limits);
+    // Two warpgroups per cube (128 rows sharing the streamed blocks) ran d = 64 without a
+    // mask 4–5% faster, masked and d = 128 4–8% slower (H200, docs/benchmarks.md).
+    let warpgroups = if problem.dim_qk == 64 && !problem.options.mask.is_masked() {
+        2
+    } else {
+        1
+    };
     let first = match warpgroup {
-        Some(_) => Some((false, false, 4, 64, warpgroup)),
+        Some(_) => Some((false, false, 4 * warpgroups, 64, warpgroup)),
         None => (!problem.options.deterministic && problem.seq_q >= ATOMIC_DQ_MIN_SEQ_Q)
             .then_some((true, false, wide, 64, None)),
     };
@@ -995,7 +1002,12 @@ mod tests {
                 (64, false, false),
                 "d={d}"
             );
-            assert_eq!(c.block_rows(), 4 * FRAGMENT);
+            let planes = if c.warpgroup.is_some() && d == 64 {
+                8
+            } else {
+                4
+            };
+            assert_eq!(c.block_rows(), planes * FRAGMENT, "d={d}");
         }
         // Without warpgroup products (sm_80), long query sequences take dQ by atomics, with
         // 128-key cubes, where the planes share it evenly; short ones the dQ pass.
@@ -1029,7 +1041,8 @@ mod tests {
                 assert_eq!(c.warpgroup, applies.then_some(FloatDtype::F16), "d={d}");
                 if applies {
                     assert!(!c.atomic_dq && !c.split, "d={d}");
-                    assert_eq!((c.planes, c.block_stream), (4, 64));
+                    let planes = if d == 64 { 8 } else { 4 };
+                    assert_eq!((c.planes, c.block_stream), (planes, 64));
                     assert!(c.shared_bytes(2) <= NVIDIA.max_shared_memory, "d={d}");
                 }
                 let c = choose_register_backward_tiles(&p, &sm80).unwrap();

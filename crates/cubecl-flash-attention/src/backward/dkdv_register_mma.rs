@@ -19,10 +19,10 @@
 //!
 //! On sm_90, for `d_qk = d_v ∈ {64, 128}` with dQ in its own pass
 //! ([`RegisterBackwardConfig::warpgroup`]), the products run on warpgroup instructions
-//! ([`crate::wgmma`]) and the shared tiles are staged as core matrices: `Sᵀ` and `dPᵀ` of
-//! the cube's 64 keys are one product each, both operands read by the tensor cores from
-//! shared memory, and `dV`, `dK` take `Pᵀ`, `dSᵀ` from registers against dO, Q in shared
-//! memory. Every step in between is the same code.
+//! ([`crate::wgmma`]) and the shared tiles are swizzled: `Sᵀ` and `dPᵀ` of a warpgroup's 64
+//! keys are one product each, both operands read by the tensor cores from shared memory,
+//! and `dV`, `dK` take `Pᵀ`, `dSᵀ` from registers against dO, Q in shared memory (one or two
+//! warpgroups per cube share the streamed blocks). Every step in between is the same code.
 //!
 //! For large head dims a launch accumulates dK or dV alone ([`KeyGradients`]), the
 //! launcher running both. The softmax scale multiplies `dK` once, in the epilogue.

@@ -10,6 +10,13 @@
 //! 3. `O += P·V`, the probabilities converted to the input dtype in registers and used as the
 //!    A operand directly (see [`crate::mma_sync`]).
 //!
+//! On sm_90, for `d_qk = d_v ∈ {64, 128}` ([`RegisterMmaConfig::warpgroup`]), both products
+//! run on warpgroup instructions ([`crate::wgmma`]) over swizzled tiles: each warpgroup (4
+//! planes) computes `S` of its 64 query rows in one product, Q and K read by the tensor
+//! cores from shared memory, and `O += P·V` with `P` from registers against V in shared
+//! memory. The softmax in between is the same code, as the accumulators keep the
+//! `mma.sync` layout.
+//!
 //! The row sums stay per lane until the epilogue, where the four lanes of a row add them.
 //! Mask arithmetic runs only in the key blocks that straddle the mask's edge or the
 //! sequence ends; blocks no query of the cube sees are never visited.
