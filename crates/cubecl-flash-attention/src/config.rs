@@ -647,7 +647,7 @@ pub fn choose_register_backward_tiles(
     // `mma.sync` kernels on the H200, docs/benchmarks.md); deterministic.
     let warpgroup = warpgroup_products(problem, limits);
     // Two warpgroups per cube (128 rows sharing the streamed blocks) ran d = 64 without a
-    // mask 4–5% faster, masked and d = 128 4–8% slower (H200, docs/benchmarks.md).
+    // mask 3–5% faster, causal 3–4% slower, d = 128 −7…+2% (H200, docs/benchmarks.md).
     let warpgroups = if problem.dim_qk == 64 && !problem.options.mask.is_masked() {
         2
     } else {
