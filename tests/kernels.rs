@@ -4,7 +4,7 @@
 use burn_flash_attention::kernels::{
     AttentionProblem, DeviceLimits, DeviceTensor, FlashError, FloatDtype, KernelPath,
     backward::{Gradients, Saved, backward, backward_into},
-    config::{ATOMIC_DQ_MIN_SEQ_Q, choose_register_backward_tiles},
+    config::{ATOMIC_DQ_MIN_SEQ_Q, choose_register_backward_tiles, choose_register_mma_tiles},
     forward::{forward, forward_into},
     reference,
 };
@@ -240,12 +240,12 @@ impl Drop for EnvVar {
     }
 }
 
-/// On sm_90 the backward of the catalogue problems with `d_qk = d_v ∈ {64, 128}` runs on
-/// warpgroup products (the default, checked here); with `FLASH_WGMMA=0` they run on the
-/// `mma.sync` kernels sm_80 runs, checked against the oracle here. Skipped (said on
+/// On sm_90 the forward and backward of the catalogue problems with `d_qk = d_v ∈ {64, 128}`
+/// run on warpgroup products (the default, checked here); with `FLASH_WGMMA=0` they run on
+/// the `mma.sync` kernels sm_80 runs, checked against the oracle here. Skipped (said on
 /// stderr) on devices without warpgroup products, where the catalogue runs those kernels.
 #[test]
-fn backward_without_warpgroup_products_matches_the_oracle() {
+fn kernels_without_warpgroup_products_match_the_oracle() {
     let client = common::client();
     let Some(dtype) = register_path_dtype(&client) else {
         return;
@@ -259,10 +259,12 @@ fn backward_without_warpgroup_products_matches_the_oracle() {
     for case in common::selected_cases() {
         let (qs, ks, vs, _) = shapes(&case);
         let problem = AttentionProblem::new(&qs, &ks, &vs, dtype, case.options()).unwrap();
-        let default = choose_register_backward_tiles(&problem, &limits);
-        if !default.is_ok_and(|config| config.warpgroup.is_some()) {
+        let backward = choose_register_backward_tiles(&problem, &limits);
+        if !backward.is_ok_and(|config| config.warpgroup.is_some()) {
             continue;
         }
+        let forward = choose_register_mma_tiles(&problem, &limits).unwrap();
+        assert!(forward.warpgroup.is_some(), "{case:?}: {forward:?}");
         let _off = EnvVar::set("FLASH_WGMMA", "0");
         check_case(
             &client,

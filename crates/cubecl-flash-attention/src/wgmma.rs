@@ -517,6 +517,13 @@ pub fn unpack<N: Size>(
     }
 }
 
+/// Element offset, in a tile laid out as `layout`, of the 64 rows this unit's warpgroup owns
+/// (warpgroup `w` of the cube: rows `64w..64w + 64`).
+#[cube]
+pub fn warpgroup_rows(#[comptime] layout: SharedLayout) -> usize {
+    (PLANE_POS as usize / WARPGROUP_PLANES) * comptime!(layout.len(WARPGROUP_ROWS))
+}
+
 /// Makes this unit's earlier writes to shared memory (plain stores, `cp.async`) visible to
 /// the warpgroup products' reads, which go through the asynchronous proxy. Every unit
 /// that wrote runs it, then the cube synchronizes, before the products read.

@@ -40,9 +40,9 @@ use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{RowLayout, SharedLayout, stage_rows_async, stage_vectors_async};
 use crate::wgmma::{
-    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, WARPGROUP_PLANES,
-    WARPGROUP_ROWS, descriptor, fence_shared_for_products, pack, pack_descriptor, pack_register_a,
-    register_products, score_products, unpack,
+    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
+    fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
+    score_products, unpack, warpgroup_rows,
 };
 
 use super::dq_atomic::add_dq_share;
@@ -316,14 +316,13 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         }
         if comptime!(warpgroup) {
             // One warpgroup product each: the warpgroup's 64 keys × the block's 64 queries.
-            let warpgroup_of = PLANE_POS as usize / WARPGROUP_PLANES;
             score_products(
                 &k_tile,
-                warpgroup_of * comptime!(qk_layout.len(WARPGROUP_ROWS)),
+                warpgroup_rows(qk_layout),
                 &q_tile,
                 q_base,
                 &v_tile,
-                warpgroup_of * comptime!(v_layout.len(WARPGROUP_ROWS)),
+                warpgroup_rows(v_layout),
                 &do_tile,
                 do_base,
                 qk_layout,

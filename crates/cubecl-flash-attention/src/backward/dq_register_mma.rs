@@ -29,8 +29,7 @@ use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
 use crate::wgmma::{
-    WARPGROUP_PLANES, WARPGROUP_ROWS, accumulate_from_registers, fence_shared_for_products,
-    score_products,
+    accumulate_from_registers, fence_shared_for_products, score_products, warpgroup_rows,
 };
 
 /// Lanes sharing one row of an accumulator tile.
@@ -243,14 +242,13 @@ pub fn flash_backward_dq_mma<F: Float>(
         }
         if comptime!(warpgroup) {
             // One warpgroup product each: the warpgroup's 64 queries × the block's 64 keys.
-            let warpgroup_of = PLANE_POS as usize / WARPGROUP_PLANES;
             score_products(
                 &q_tile,
-                warpgroup_of * comptime!(qk_layout.len(WARPGROUP_ROWS)),
+                warpgroup_rows(qk_layout),
                 &k_tile,
                 k_base,
                 &do_tile,
-                warpgroup_of * comptime!(v_layout.len(WARPGROUP_ROWS)),
+                warpgroup_rows(v_layout),
                 &v_tile,
                 v_base,
                 qk_layout,

@@ -34,7 +34,7 @@ use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
 use crate::tile::{Head, RowLayout, last_first, stage_rows_async};
 use crate::wgmma::{
-    WARPGROUP_PLANES, accumulate_from_registers, fence_shared_for_products, scores_against_rows,
+    accumulate_from_registers, fence_shared_for_products, scores_against_rows, warpgroup_rows,
 };
 
 /// Lanes sharing one row of an accumulator tile.
@@ -248,7 +248,7 @@ pub fn flash_forward_mma<F: Float>(
         // writing every pair).
         let k_base = stage * k_stage;
         if comptime!(warpgroup) {
-            let q_at = (PLANE_POS as usize / WARPGROUP_PLANES) * comptime!(qk_layout.len(64));
+            let q_at = warpgroup_rows(qk_layout);
             if comptime!(block_kv == 128) {
                 scores_against_rows::<F, Const<64>, Const<8>>(
                     &q_tile, q_at, &k_tile, k_base, qk_layout, 2usize, dtype, &mut s_acc,
