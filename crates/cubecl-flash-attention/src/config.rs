@@ -319,6 +319,11 @@ pub struct RegisterMmaConfig {
     /// (`m_tiles = 1`, Q read from shared memory): sm_90, `d_qk = d_v ∈ {64, 128}`, 64- or
     /// 128-key blocks ([`warpgroup_products`]).
     pub warpgroup: Option<FloatDtype>,
+    /// Await K and V of a key block together at its start, one cube-wide barrier per block
+    /// (and both copies of the next block issued there), rather than V just before
+    /// `O += P·V`, which takes a second barrier per block where warpgroups fence their
+    /// reads.
+    pub kv_together: bool,
 }
 
 impl RegisterMmaConfig {
@@ -442,6 +447,7 @@ pub fn choose_register_mma_tiles(
         softcap: problem.options.softcap.is_some(),
         q_in_registers: true,
         warpgroup: None,
+        kv_together: false,
     };
     // sm_90: warpgroup products, two warpgroups of 64 query rows sharing the key blocks:
     // 64 keys at d = 64, 128 at d = 128. Swept on the H200 (bf16, s = 1k/4k, causal and not,
@@ -455,6 +461,7 @@ pub fn choose_register_mma_tiles(
             block_kv: problem.dim_qk,
             q_in_registers: false,
             warpgroup: Some(dtype),
+            kv_together: true,
             ..base
         };
         if config.forward_shared_bytes(elem) <= limits.max_shared_memory {

@@ -21,7 +21,6 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use crate::config::FRAGMENT;
 use crate::mask::Span;
 
 /// Two neighbouring elements of a fragment.
@@ -282,8 +281,12 @@ pub fn zeros(#[comptime] n: usize) -> Array<Pair<f32>> {
 }
 
 /// Writes the lane's elements of row `row` of `t` from accumulator tiles side by side: pairs
-/// `2n + half` of `acc` (half 0 for the lane's row `g`, 1 for `g + 8`) are columns
+/// `first + 2n + half` of `acc` (half 0 for the lane's row `g`, 1 for `g + 8`) are columns
 /// `8n + 2·in_group` and the next one, times `factor`. Columns from `dim` on are padding.
+///
+/// Where the row is contiguous and 4-byte aligned (the usual case), each pair of 16-bit
+/// elements is one 32-bit store at a constant offset from the lane's address; otherwise one
+/// store per element through the tensor's strides.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn store_row<F: Float>(
@@ -292,22 +295,89 @@ pub fn store_row<F: Float>(
     head: usize,
     row: usize,
     acc: &Array<Pair<f32>>,
+    first: usize,
     half: usize,
     factor: f32,
     in_group: usize,
     #[comptime] dim: usize,
 ) {
     let base = batch * t.stride(0) + head * t.stride(1) + row * t.stride(2);
-    let col_stride = t.stride(3);
+    let elem_bits = F::size_bits();
+    if comptime!(elem_bits == 16 && dim.is_multiple_of(2)) {
+        let address = global_address(t) + u64::cast_from((base + 2 * in_group) * 2);
+        if t.stride(3) == 1 && address % 4 == 0 {
+            store_row_pairs::<F>(address, acc, first, half, factor, in_group, dim);
+        } else {
+            store_row_elements(t, base, acc, first, half, factor, in_group, dim);
+        }
+    } else {
+        store_row_elements(t, base, acc, first, half, factor, in_group, dim);
+    }
+}
+
+/// [`store_row`] by 32-bit stores from the lane's address in the row.
+#[cube]
+fn store_row_pairs<F: Float>(
+    address: u64,
+    acc: &Array<Pair<f32>>,
+    first: usize,
+    half: usize,
+    factor: f32,
+    in_group: usize,
+    #[comptime] dim: usize,
+) {
+    let factor = Pair::<f32>::cast_from(factor);
+    // Tiles of 8 columns up to `dim`; only a last partial one needs a bound (a lane's pair
+    // never straddles `dim`, which is even).
     #[unroll]
-    for n in 0..comptime!(dim.next_multiple_of(FRAGMENT) / 8) {
-        let pair = acc[2 * n + half];
+    for n in 0..comptime!(dim.div_ceil(8)) {
+        if comptime!(dim.is_multiple_of(8)) || n * 8 + 2 * in_group < dim {
+            let bits = u32::reinterpret(Pair::<F>::cast_from(acc[first + 2 * n + half] * factor));
+            let at = address + comptime!(16 * n as u64);
+            gpu_asm!(
+                "st.global.b32 [{at}], {bits};",
+                at = in(_) at, bits = in(_) bits,
+            );
+        }
+    }
+}
+
+/// [`store_row`] one element at a time, through the tensor's strides.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_row_elements<F: Float>(
+    t: &mut Tensor<F>,
+    base: usize,
+    acc: &Array<Pair<f32>>,
+    first: usize,
+    half: usize,
+    factor: f32,
+    in_group: usize,
+    #[comptime] dim: usize,
+) {
+    let col_stride = t.stride(3);
+    let factor = Pair::<f32>::cast_from(factor);
+    #[unroll]
+    for n in 0..comptime!(dim.div_ceil(8)) {
+        let pair = acc[first + 2 * n + half] * factor;
         #[unroll]
         for e in 0..2usize {
             let col = n * 8 + 2 * in_group + e;
             if col < dim {
-                t[base + col * col_stride] = F::cast_from(pair.extract(e) * factor);
+                t[base + col * col_stride] = F::cast_from(pair.extract(e));
             }
         }
     }
+}
+
+/// The global-memory address of the first element of `t`.
+#[cube]
+fn global_address<F: Float>(t: &mut Tensor<F>) -> u64 {
+    let pointer = unsafe { t.as_mut_ptr_unchecked() };
+    let address: u64;
+    gpu_asm!(
+        "cvta.to.global.u64 {address}, {pointer};",
+        pointer = in(_) pointer, address = out(_) address, options(pure, nomem),
+    );
+    address
 }

@@ -6,6 +6,9 @@ use serde::{Deserialize, Serialize};
 
 /// Largest head dimension the kernels take.
 pub const MAX_HEAD_DIM: usize = 256;
+/// Largest batch · query heads of a problem: the kernels' launch grids enumerate them along
+/// one dimension, at most 65535 cubes on CUDA, HIP and WebGPU.
+pub const MAX_BATCH_HEADS: usize = 65535;
 
 /// Floating-point type of Q, K, V, O and the gradients. Accumulation is always f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -123,6 +126,17 @@ impl AttentionProblem {
                     expected: format!("head dim must be in 1..={MAX_HEAD_DIM}"),
                 });
             }
+        }
+        // Kernels enumerate batch·heads along the second dimension of their launch grid.
+        if batch * heads_q > MAX_BATCH_HEADS {
+            return Err(shape_err(
+                "query",
+                [batch, heads_q, seq_q, dim_qk],
+                format!(
+                    "batch · heads must be at most {MAX_BATCH_HEADS}, got {}",
+                    batch * heads_q
+                ),
+            ));
         }
         if let Some(cap) = options.softcap
             && !(cap > 0.0 && cap.is_finite())
@@ -263,6 +277,31 @@ pub(crate) mod tests {
             ))
             .contains("`softcap`")
         );
+    }
+
+    #[test]
+    fn too_many_batch_heads_name_the_query() {
+        let err = AttentionProblem::new(
+            &[2048, 64, 16, 64],
+            &[2048, 64, 16, 64],
+            &[2048, 64, 16, 64],
+            FloatDtype::BF16,
+            AttentionOptions::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, FlashError::Shape { arg: "query", .. }),
+            "unexpected error: {err}"
+        );
+        assert!(err.to_string().contains("131072"), "{err}");
+        let fits = AttentionProblem::new(
+            &[1023, 64, 16, 64],
+            &[1023, 64, 16, 64],
+            &[1023, 64, 16, 64],
+            FloatDtype::BF16,
+            AttentionOptions::default(),
+        );
+        assert!(fits.is_ok());
     }
 
     #[test]

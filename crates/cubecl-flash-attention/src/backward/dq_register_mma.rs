@@ -87,8 +87,9 @@ pub fn flash_backward_dq_mma<F: Float>(
 
     let seq_q = q.shape(2);
     let seq_kv = k.shape(2);
-    let head = Head::from_index(CUBE_POS_X as usize, q.shape(1), k.shape(1));
-    let q_block = last_first(CUBE_POS_Y as usize, CUBE_COUNT_Y as usize);
+    // Neighbouring cubes share a head (its K and V in L2), heaviest causal blocks first.
+    let head = Head::from_cube(q.shape(1), k.shape(1));
+    let q_block = last_first(CUBE_POS_X as usize, CUBE_COUNT_X as usize);
     let q_begin = q_block * block_q;
     let q_end = min(q_begin + block_q, seq_q);
     let plane_row = PLANE_POS as usize * FRAGMENT;
@@ -388,6 +389,7 @@ pub fn flash_backward_dq_mma<F: Float>(
                 head.head_q,
                 row,
                 &dq_acc,
+                0,
                 half,
                 scale,
                 in_group,

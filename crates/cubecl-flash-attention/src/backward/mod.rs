@@ -210,10 +210,9 @@ pub fn backward_into(
                 }
                 return Ok(());
             }
-            // Head-major, as the forward.
             let count = CubeCount::Static(
-                (problem.batch * problem.heads_q) as u32,
                 problem.seq_q.div_ceil(config.block_rows()) as u32,
+                (problem.batch * problem.heads_q) as u32,
                 1,
             );
             unsafe {

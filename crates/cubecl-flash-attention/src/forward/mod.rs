@@ -73,10 +73,9 @@ pub fn forward_into(
     let (left, right) = window_args(&problem);
     match plan(path, &problem, &limits, [q, k, v])? {
         Plan::RegisterMma(config) => {
-            // Head-major: see the kernel.
             let count = CubeCount::Static(
-                (problem.batch * problem.heads_q) as u32,
                 problem.seq_q.div_ceil(config.block_rows()) as u32,
+                (problem.batch * problem.heads_q) as u32,
                 1,
             );
             let (q_rows, k_rows, v_rows) = (
@@ -209,7 +208,8 @@ fn plan(
 
 /// Tiles of the register-level forward kernel, with tuning overrides: `FLASH_WGMMA=0` takes
 /// the tiles chosen without warpgroup products (sm_90), for comparison;
-/// `FLASH_WGMMA_FWD_TILES=planes,block_kv` (e.g. `8,64`) sets the warpgroup kernel's tiles,
+/// `FLASH_WGMMA_FWD_TILES=planes,block_kv[,together]` (e.g. `8,64` or `8,128,0`) sets the
+/// warpgroup kernel's tiles (and whether K and V are awaited together),
 /// `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers` (e.g. `2,64,0`) the `mma.sync` kernel's.
 pub(crate) fn register_mma_config(
     problem: &AttentionProblem,
@@ -228,12 +228,18 @@ pub(crate) fn register_mma_config(
     if config.warpgroup.is_some() {
         return apply_tile_override(
             "FLASH_WGMMA_FWD_TILES",
-            "planes (4 or 8),block_kv (64 or 128)",
+            "planes (4 or 8),block_kv (64 or 128)[,K and V awaited together (0 or 1)]",
             config,
             |config, parts| match *parts {
                 [planes @ (4 | 8), block_kv @ (64 | 128)] => {
                     config.planes = planes;
                     config.block_kv = block_kv;
+                    true
+                }
+                [planes @ (4 | 8), block_kv @ (64 | 128), together @ (0 | 1)] => {
+                    config.planes = planes;
+                    config.block_kv = block_kv;
+                    config.kv_together = together == 1;
                     true
                 }
                 _ => false,

@@ -28,11 +28,11 @@ use crate::config::{FRAGMENT, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
-    zeros,
+    store_row, zeros,
 };
 use crate::problem::FloatDtype;
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
-use crate::tile::{Head, RowLayout, last_first, stage_rows_async};
+use crate::tile::{Head, RowLayout, SharedLayout, last_first, stage_rows_async};
 use crate::wgmma::{
     accumulate_from_registers, fence_shared_for_products, scores_against_rows, warpgroup_rows,
 };
@@ -100,10 +100,11 @@ pub fn flash_forward_mma<F: Float>(
 
     let seq_q = q.shape(2);
     let seq_kv = k.shape(2);
-    // Cubes are numbered head-major with the last query blocks first: under a causal mask
-    // those see the most keys, and starting them first shortens the tail of the launch.
-    let head = Head::from_index(CUBE_POS_X as usize, q.shape(1), k.shape(1));
-    let q_block = last_first(CUBE_POS_Y as usize, CUBE_COUNT_Y as usize);
+    // The query blocks of one head are neighbours in the launch, so that the cubes running
+    // together share their heads' K and V in L2; within a head the last blocks come first:
+    // under a causal mask those see the most keys.
+    let head = Head::from_cube(q.shape(1), k.shape(1));
+    let q_block = last_first(CUBE_POS_X as usize, CUBE_COUNT_X as usize);
     let q_begin = q_block * block_q;
     let q_end = min(q_begin + block_q, seq_q);
     let plane_row = PLANE_POS as usize * FRAGMENT * m_tiles;
@@ -154,36 +155,36 @@ pub fn flash_forward_mma<F: Float>(
             qk_layout,
             units,
         );
-        stage_rows_async(
+        stage_block(
             k,
             &k_rows,
-            head.batch,
-            head.head_kv,
+            &head,
             k0,
             &mut k_tile,
             0,
+            &k_landed_0,
+            &k_landed_1,
             block_kv,
             config.dim_qk,
             dqk,
             qk_layout,
             units,
         );
-        k_landed_0.commit_copy_async();
-        stage_rows_async(
+        stage_block(
             v,
             &v_rows,
-            head.batch,
-            head.head_kv,
+            &head,
             k0,
             &mut v_tile,
             0,
+            &v_landed_0,
+            &v_landed_1,
             block_kv,
             config.dim_v,
             dv,
             v_layout,
             units,
         );
-        v_landed_0.commit_copy_async();
     }
 
     for block in 0..blocks.count {
@@ -193,12 +194,11 @@ pub fn flash_forward_mma<F: Float>(
         let has_next = block + 1 < blocks.count;
         let next_k0 = usize::cast_from(k0) + block_kv;
 
-        // K of this block (and Q, with the first) has landed; every unit is done with the
-        // previous block, so the other stage may be refilled.
-        if stage == 0 {
-            k_landed_0.arrive_and_wait();
-        } else {
-            k_landed_1.arrive_and_wait();
+        // K of this block (and Q, with the first; and V, when awaited together) has landed;
+        // every unit is done with the previous block, so the other stage may be refilled.
+        await_stage(stage, &k_landed_0, &k_landed_1);
+        if comptime!(config.kv_together) {
+            await_stage(stage, &v_landed_0, &v_landed_1);
         }
         if comptime!(warpgroup) {
             fence_shared_for_products();
@@ -223,24 +223,37 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
         if has_next {
-            stage_rows_async(
+            stage_block(
                 k,
                 &k_rows,
-                head.batch,
-                head.head_kv,
+                &head,
                 next_k0,
                 &mut k_tile,
-                next * k_stage,
+                next,
+                &k_landed_0,
+                &k_landed_1,
                 block_kv,
                 config.dim_qk,
                 dqk,
                 qk_layout,
                 units,
             );
-            if next == 0 {
-                k_landed_0.commit_copy_async();
-            } else {
-                k_landed_1.commit_copy_async();
+            if comptime!(config.kv_together) {
+                stage_block(
+                    v,
+                    &v_rows,
+                    &head,
+                    next_k0,
+                    &mut v_tile,
+                    next,
+                    &v_landed_0,
+                    &v_landed_1,
+                    block_kv,
+                    config.dim_v,
+                    dv,
+                    v_layout,
+                    units,
+                );
             }
         }
 
@@ -389,34 +402,28 @@ pub fn flash_forward_mma<F: Float>(
         }
 
         // 3. O += P·V, once V of this block has landed.
-        if stage == 0 {
-            v_landed_0.arrive_and_wait();
-        } else {
-            v_landed_1.arrive_and_wait();
-        }
-        if comptime!(warpgroup) {
-            fence_shared_for_products();
-            sync_cube();
-        }
-        if has_next {
-            stage_rows_async(
-                v,
-                &v_rows,
-                head.batch,
-                head.head_kv,
-                next_k0,
-                &mut v_tile,
-                next * v_stage,
-                block_kv,
-                config.dim_v,
-                dv,
-                v_layout,
-                units,
-            );
-            if next == 0 {
-                v_landed_0.commit_copy_async();
-            } else {
-                v_landed_1.commit_copy_async();
+        if comptime!(!config.kv_together) {
+            await_stage(stage, &v_landed_0, &v_landed_1);
+            if comptime!(warpgroup) {
+                fence_shared_for_products();
+                sync_cube();
+            }
+            if has_next {
+                stage_block(
+                    v,
+                    &v_rows,
+                    &head,
+                    next_k0,
+                    &mut v_tile,
+                    next,
+                    &v_landed_0,
+                    &v_landed_1,
+                    block_kv,
+                    config.dim_v,
+                    dv,
+                    v_layout,
+                    units,
+                );
             }
         }
         // Each V fragment serves every query tile of the plane (warpgroup products: all keys
@@ -462,7 +469,6 @@ pub fn flash_forward_mma<F: Float>(
     }
 
     // Epilogue: the four lanes of a row add their sums; normalize and write O and the LSE.
-    let col_stride = out.stride(3);
     #[unroll]
     for t in 0..m_tiles {
         #[unroll]
@@ -472,19 +478,18 @@ pub fn flash_forward_mma<F: Float>(
             let row = q_begin + plane_row + t * FRAGMENT + group + 8 * half;
             if row < seq_q {
                 let inv = select(sum > 0.0, 1.0 / sum, 0.0);
-                let base =
-                    head.batch * out.stride(0) + head.head_q * out.stride(1) + row * out.stride(2);
-                #[unroll]
-                for n in 0..o_tiles {
-                    let pair = o_acc[2 * (t * o_tiles + n) + half];
-                    #[unroll]
-                    for e in 0..2usize {
-                        let col = n * TILE_COLS + 2 * in_group + e;
-                        if col < config.dim_v {
-                            out[base + col * col_stride] = F::cast_from(pair.extract(e) * inv);
-                        }
-                    }
-                }
+                store_row(
+                    out,
+                    head.batch,
+                    head.head_q,
+                    row,
+                    &o_acc,
+                    2 * t * o_tiles,
+                    half,
+                    inv,
+                    in_group,
+                    config.dim_v,
+                );
                 if in_group == 0 {
                     let lse_index = head.batch * lse.stride(0)
                         + head.head_q * lse.stride(1)
@@ -495,6 +500,57 @@ pub fn flash_forward_mma<F: Float>(
                 }
             }
         }
+    }
+}
+
+/// Copies the `rows` rows of `t` from `first` (of the cube's key/value head) into stage
+/// `stage` of `tile` asynchronously, their arrival tracked by that stage's barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_block<F: Float>(
+    t: &Tensor<F>,
+    rows_of: &RowLayout,
+    head: &Head,
+    first: usize,
+    tile: &mut Shared<[F]>,
+    stage: usize,
+    landed_0: &Shared<Barrier>,
+    landed_1: &Shared<Barrier>,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] padded: usize,
+    #[comptime] layout: SharedLayout,
+    #[comptime] units: usize,
+) {
+    let offset = stage * comptime!(layout.len(rows));
+    stage_rows_async(
+        t,
+        rows_of,
+        head.batch,
+        head.head_kv,
+        first,
+        tile,
+        offset,
+        rows,
+        dim,
+        padded,
+        layout,
+        units,
+    );
+    if stage == 0 {
+        landed_0.commit_copy_async();
+    } else {
+        landed_1.commit_copy_async();
+    }
+}
+
+/// Waits for the copies into stage `stage` (see [`stage_block`]).
+#[cube]
+fn await_stage(stage: usize, landed_0: &Shared<Barrier>, landed_1: &Shared<Barrier>) {
+    if stage == 0 {
+        landed_0.arrive_and_wait();
+    } else {
+        landed_1.arrive_and_wait();
     }
 }
 
