@@ -289,6 +289,8 @@ pub fn zeros(#[comptime] n: usize) -> Array<Pair<f32>> {
 /// store per element through the tensor's strides.
 #[cube]
 #[allow(clippy::too_many_arguments)]
+// `%` on a runtime value: `is_multiple_of` has no kernel expansion.
+#[allow(clippy::manual_is_multiple_of)]
 pub fn store_row<F: Float>(
     t: &mut Tensor<F>,
     batch: usize,
