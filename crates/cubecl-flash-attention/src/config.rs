@@ -52,6 +52,10 @@ pub struct DeviceLimits {
     /// runtime marks sm_90 and later with the tensor memory accelerator, and sm_100 and
     /// later also with its wide im2col mode.
     pub warpgroup_mma: bool,
+    /// Most loop iterations one kernel invocation may run in total, where the driver stops
+    /// loops past a budget instead of running them ([`crate::loop_budget`]); `None` where
+    /// loops run to the end.
+    pub loop_iterations: Option<u64>,
 }
 
 impl DeviceLimits {
@@ -76,6 +80,7 @@ impl DeviceLimits {
                 .contains(cubecl::ir::features::AtomicUsage::Add),
             warpgroup_mma: props.features.tma.contains(Tma::Base)
                 && !props.features.tma.contains(Tma::Im2colWide),
+            loop_iterations: crate::loop_budget::driver_loop_iterations(&props.identity.name),
         }
     }
 
@@ -142,8 +147,17 @@ pub struct TileConfig {
     pub masked: bool,
     /// Softcap compiled in.
     pub softcap: bool,
-    /// Unroll the loops over the head dims, so that the per-row arrays stay in registers.
-    pub unroll: bool,
+    /// Columns the loops over a head dim run unrolled per iteration (see [`crate::tile`]):
+    /// at least the larger head dim where the whole row is unrolled, so that the per-row
+    /// arrays stay in registers.
+    pub columns: usize,
+}
+
+impl TileConfig {
+    /// Whether the loops over the head dims are unrolled whole.
+    pub fn unrolled(&self) -> bool {
+        self.columns >= self.dim_qk.max(self.dim_v)
+    }
 }
 
 /// Largest head dim whose loops are unrolled on GPUs (larger rows would not fit in
@@ -151,8 +165,12 @@ pub struct TileConfig {
 const MAX_UNROLLED_DIM: usize = 128;
 /// Largest head dim whose loops are unrolled on devices without plane operations (CPU
 /// Vulkan drivers): lavapipe (Mesa 22.3) takes minutes to compile unrolled loops over
-/// larger rows (seconds up to 64), and miscompiles some rolled loops (see docs/status.md).
+/// larger rows (seconds up to 64).
 const MAX_UNROLLED_DIM_CPU: usize = 64;
+/// Columns per iteration of the head-dim loops of larger rows on those devices: llvmpipe
+/// runs at most 65 535 loop iterations per invocation ([`crate::loop_budget`]), so rows
+/// are walked 16 columns at a time.
+const COLUMNS_CPU: usize = 16;
 
 /// Rows of the cube's own operand: one unit each, a whole number of planes where possible.
 const ROWS_PER_CUBE: usize = 64;
@@ -184,13 +202,18 @@ pub fn choose_portable_tiles(
         dim_v: problem.dim_v,
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
-        unroll: problem.dim_qk.max(problem.dim_v)
-            <= if limits.plane_ops {
-                MAX_UNROLLED_DIM
-            } else {
-                MAX_UNROLLED_DIM_CPU
-            },
+        columns: portable_columns(problem.dim_qk.max(problem.dim_v), limits),
     })
+}
+
+/// Columns per iteration of the portable head-dim loops over rows of `dim` columns.
+fn portable_columns(dim: usize, limits: &DeviceLimits) -> usize {
+    match limits.plane_ops {
+        true if dim <= MAX_UNROLLED_DIM => dim,
+        true => 1,
+        false if dim <= MAX_UNROLLED_DIM_CPU => dim,
+        false => COLUMNS_CPU,
+    }
 }
 
 /// Side of the square `cmma` fragments (m = n = k).
@@ -796,6 +819,7 @@ mod tests {
         mma_sync_bf16: true,
         paired_f32_atomics: true,
         warpgroup_mma: true,
+        loop_iterations: None,
     };
     /// As [`NVIDIA`] (sm_90), without the warpgroup products (sm_80).
     const SM80: DeviceLimits = DeviceLimits {
@@ -813,6 +837,7 @@ mod tests {
         mma_sync_bf16: false,
         paired_f32_atomics: false,
         warpgroup_mma: false,
+        loop_iterations: None,
     };
     const WEBGPU: DeviceLimits = DeviceLimits {
         max_shared_memory: 16_384,
@@ -825,6 +850,7 @@ mod tests {
         mma_sync_bf16: false,
         paired_f32_atomics: false,
         warpgroup_mma: false,
+        loop_iterations: None,
     };
 
     #[test]
@@ -841,7 +867,10 @@ mod tests {
                 );
                 assert!(t.block_rows <= limits.max_units_per_cube);
                 let unrolled_up_to = if limits.plane_ops { 128 } else { 64 };
-                assert_eq!(t.unroll, d <= unrolled_up_to, "{limits:?} d={d}");
+                assert_eq!(t.unrolled(), d <= unrolled_up_to, "{limits:?} d={d}");
+                if !t.unrolled() {
+                    assert_eq!(t.columns, if limits.plane_ops { 1 } else { 16 });
+                }
             }
         }
     }

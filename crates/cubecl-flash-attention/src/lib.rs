@@ -13,6 +13,7 @@ pub mod config;
 pub mod error;
 pub mod forward;
 pub mod launch;
+pub mod loop_budget;
 pub mod mask;
 pub mod mma;
 pub mod mma_sync;

@@ -1,5 +1,11 @@
 //! Index arithmetic shared by the kernels: which head a cube works on, reading one row of a
 //! strided `[batch, heads, seq, dim]` tensor into registers, and staging rows in shared memory.
+//!
+//! The portable kernels' loops over a row's columns (the head dim) run `columns` columns
+//! unrolled per iteration ([`TileConfig::columns`](crate::config::TileConfig)): the whole row
+//! where it fits in registers, so that the row's array is indexed by constants; fewer where
+//! the row stays in memory, which keeps the kernel's loop iterations within what a CPU
+//! driver runs ([`crate::loop_budget`]).
 
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
@@ -74,13 +80,154 @@ pub fn read_row<F: Float>(
     row: usize,
     dest: &mut Array<f32>,
     #[comptime] dim: usize,
-    #[comptime] unroll: bool,
+    #[comptime] columns: usize,
 ) {
     let base = row_offset(t, batch, head, row);
     let stride = t.stride(3);
-    #[unroll(unroll)]
-    for c in 0..dim {
-        dest[c] = f32::cast_from(t[base + c * stride]);
+    let width = comptime!(columns.min(dim));
+    if comptime!(width == dim) {
+        #[unroll]
+        for c in 0..dim {
+            dest[c] = f32::cast_from(t[base + c * stride]);
+        }
+    } else {
+        // The count of steps is read from the tensor's shape: a count the compiler cannot
+        // see keeps a CPU driver (lavapipe) from unrolling the loop, which makes it hold the
+        // row as values across every barrier (minutes to compile); rolled, its array stays
+        // one block of memory.
+        for step in 0..t.shape(3).div_ceil(width) {
+            #[unroll]
+            for i in 0..width {
+                let c = step * width + i;
+                if comptime!(dim.is_multiple_of(width)) || c < dim {
+                    dest[c] = f32::cast_from(t[base + c * stride]);
+                }
+            }
+        }
+    }
+}
+
+/// Writes `row · factor` to row `row` of head `head`, cast to the tensor's dtype.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn write_row<F: Float>(
+    t: &mut Tensor<F>,
+    batch: usize,
+    head: usize,
+    index: usize,
+    row: &Array<f32>,
+    factor: f32,
+    #[comptime] dim: usize,
+    #[comptime] columns: usize,
+) {
+    let base = batch * t.stride(0) + head * t.stride(1) + index * t.stride(2);
+    let stride = t.stride(3);
+    let width = comptime!(columns.min(dim));
+    if comptime!(width == dim) {
+        #[unroll]
+        for c in 0..dim {
+            t[base + c * stride] = F::cast_from(row[c] * factor);
+        }
+    } else {
+        // A step count the compiler cannot see, as in `read_row`.
+        for step in 0..t.shape(3).div_ceil(width) {
+            #[unroll]
+            for i in 0..width {
+                let c = step * width + i;
+                if comptime!(dim.is_multiple_of(width)) || c < dim {
+                    t[base + c * stride] = F::cast_from(row[c] * factor);
+                }
+            }
+        }
+    }
+}
+
+/// `row[c] ← row[c] · factor` for every column.
+#[cube]
+pub fn scale_row(
+    row: &mut Array<f32>,
+    factor: f32,
+    len: usize,
+    #[comptime] dim: usize,
+    #[comptime] columns: usize,
+) {
+    let width = comptime!(columns.min(dim));
+    if comptime!(width == dim) {
+        #[unroll]
+        for c in 0..dim {
+            row[c] *= factor;
+        }
+    } else {
+        // `len` (= `dim`) counts the steps: a count the compiler cannot see, as in `read_row`.
+        for step in 0..len.div_ceil(width) {
+            #[unroll]
+            for i in 0..width {
+                let c = step * width + i;
+                if comptime!(dim.is_multiple_of(width)) || c < dim {
+                    row[c] *= factor;
+                }
+            }
+        }
+    }
+}
+
+/// `row[c] ← 0` for every column.
+#[cube]
+pub fn zero_row(
+    row: &mut Array<f32>,
+    len: usize,
+    #[comptime] dim: usize,
+    #[comptime] columns: usize,
+) {
+    let width = comptime!(columns.min(dim));
+    if comptime!(width == dim) {
+        #[unroll]
+        for c in 0..dim {
+            row[c] = 0.0;
+        }
+    } else {
+        // `len` (= `dim`) counts the steps: a count the compiler cannot see, as in `read_row`.
+        for step in 0..len.div_ceil(width) {
+            #[unroll]
+            for i in 0..width {
+                let c = step * width + i;
+                if comptime!(dim.is_multiple_of(width)) || c < dim {
+                    row[c] = 0.0;
+                }
+            }
+        }
+    }
+}
+
+/// `row[c] ← row[c] + factor · tile[offset + c]`: a row staged in shared memory, scaled, added
+/// to a row held in registers.
+#[cube]
+pub fn add_scaled_staged(
+    row: &mut Array<f32>,
+    factor: f32,
+    tile: &Shared<[f32]>,
+    offset: usize,
+    len: usize,
+    #[comptime] dim: usize,
+    #[comptime] columns: usize,
+) {
+    let width = comptime!(columns.min(dim));
+    if comptime!(width == dim) {
+        #[unroll]
+        for c in 0..dim {
+            row[c] += factor * tile[offset + c];
+        }
+    } else {
+        // `len` (= `dim`) counts the steps: a count the compiler cannot see, as in `read_row`.
+        for step in 0..len.div_ceil(width) {
+            #[unroll]
+            for i in 0..width {
+                let c = step * width + i;
+                if comptime!(dim.is_multiple_of(width)) || c < dim {
+                    row[c] += factor * tile[offset + c];
+                }
+            }
+        }
     }
 }
 
@@ -146,13 +293,28 @@ pub fn dot_staged(
     row: &Array<f32>,
     tile: &Shared<[f32]>,
     offset: usize,
+    len: usize,
     #[comptime] dim: usize,
-    #[comptime] unroll: bool,
+    #[comptime] columns: usize,
 ) -> f32 {
     let mut dot = 0.0f32;
-    #[unroll(unroll)]
-    for c in 0..dim {
-        dot += row[c] * tile[offset + c];
+    let width = comptime!(columns.min(dim));
+    if comptime!(width == dim) {
+        #[unroll]
+        for c in 0..dim {
+            dot += row[c] * tile[offset + c];
+        }
+    } else {
+        // `len` (= `dim`) counts the steps: a count the compiler cannot see, as in `read_row`.
+        for step in 0..len.div_ceil(width) {
+            #[unroll]
+            for i in 0..width {
+                let c = step * width + i;
+                if comptime!(dim.is_multiple_of(width)) || c < dim {
+                    dot += row[c] * tile[offset + c];
+                }
+            }
+        }
     }
     dot
 }

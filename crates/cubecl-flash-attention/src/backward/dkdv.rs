@@ -11,7 +11,9 @@ use cubecl::prelude::*;
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
-use crate::tile::{dot_staged, load_rows, load_vector, read_row};
+use crate::tile::{
+    add_scaled_staged, dot_staged, load_rows, load_vector, read_row, write_row, zero_row,
+};
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -38,6 +40,8 @@ pub fn flash_backward_dkdv<F: Float>(
 
     let seq_q = q.shape(2);
     let seq_kv = k.shape(2);
+    let len_qk = k.shape(3);
+    let len_v = v.shape(3);
     let heads_kv = k.shape(1);
     let group = q.shape(1) / heads_kv;
     let batch = CUBE_POS_Y as usize / heads_kv;
@@ -48,19 +52,13 @@ pub fn flash_backward_dkdv<F: Float>(
     let key_c = min(key, seq_kv - 1);
 
     let mut k_row = Array::<f32>::new(dim_qk);
-    read_row(k, batch, head_kv, key_c, &mut k_row, dim_qk, config.unroll);
+    read_row(k, batch, head_kv, key_c, &mut k_row, dim_qk, config.columns);
     let mut v_row = Array::<f32>::new(dim_v);
-    read_row(v, batch, head_kv, key_c, &mut v_row, dim_v, config.unroll);
+    read_row(v, batch, head_kv, key_c, &mut v_row, dim_v, config.columns);
     let mut dk_acc = Array::<f32>::new(dim_qk);
-    #[unroll(config.unroll)]
-    for c in 0..dim_qk {
-        dk_acc[c] = 0.0;
-    }
+    zero_row(&mut dk_acc, len_qk, dim_qk, config.columns);
     let mut dv_acc = Array::<f32>::new(dim_v);
-    #[unroll(config.unroll)]
-    for c in 0..dim_v {
-        dv_acc[c] = 0.0;
-    }
+    zero_row(&mut dv_acc, len_v, dim_v, config.columns);
 
     let mut q_tile = Shared::<[f32]>::new_slice(block_q * dim_qk);
     let mut do_tile = Shared::<[f32]>::new_slice(block_q * dim_v);
@@ -125,39 +123,47 @@ pub fn flash_backward_dkdv<F: Float>(
             );
             for i in 0..block_q {
                 if !needs_mask || mask.is_visible(q0 + i32::cast_from(i), key_i) {
-                    let dot = dot_staged(&k_row, &q_tile, i * dim_qk, dim_qk, config.unroll);
+                    let dot =
+                        dot_staged(&k_row, &q_tile, i * dim_qk, len_qk, dim_qk, config.columns);
                     let s = score(dot, scale, softcap, config.softcap);
                     let p = (s - lse_tile[i]).exp();
-                    let mut dp = 0.0f32;
-                    #[unroll(config.unroll)]
-                    for c in 0..dim_v {
-                        let g_o = do_tile[i * dim_v + c];
-                        dv_acc[c] += p * g_o;
-                        dp += g_o * v_row[c];
-                    }
+                    add_scaled_staged(
+                        &mut dv_acc,
+                        p,
+                        &do_tile,
+                        i * dim_v,
+                        len_v,
+                        dim_v,
+                        config.columns,
+                    );
+                    let dp = dot_staged(&v_row, &do_tile, i * dim_v, len_v, dim_v, config.columns);
                     let ds =
                         p * (dp - delta_tile[i]) * score_grad(s, scale, softcap, config.softcap);
-                    #[unroll(config.unroll)]
-                    for c in 0..dim_qk {
-                        dk_acc[c] += ds * q_tile[i * dim_qk + c];
-                    }
+                    add_scaled_staged(
+                        &mut dk_acc,
+                        ds,
+                        &q_tile,
+                        i * dim_qk,
+                        len_qk,
+                        dim_qk,
+                        config.columns,
+                    );
                 }
             }
         }
     }
 
     if key < seq_kv {
-        let k_base = batch * dk.stride(0) + head_kv * dk.stride(1) + key * dk.stride(2);
-        let k_col = dk.stride(3);
-        #[unroll(config.unroll)]
-        for c in 0..dim_qk {
-            dk[k_base + c * k_col] = F::cast_from(dk_acc[c]);
-        }
-        let v_base = batch * dv.stride(0) + head_kv * dv.stride(1) + key * dv.stride(2);
-        let v_col = dv.stride(3);
-        #[unroll(config.unroll)]
-        for c in 0..dim_v {
-            dv[v_base + c * v_col] = F::cast_from(dv_acc[c]);
-        }
+        write_row(
+            dk,
+            batch,
+            head_kv,
+            key,
+            &dk_acc,
+            1.0,
+            dim_qk,
+            config.columns,
+        );
+        write_row(dv, batch, head_kv, key, &dv_acc, 1.0, dim_v, config.columns);
     }
 }

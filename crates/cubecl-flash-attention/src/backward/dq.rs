@@ -9,7 +9,9 @@ use cubecl::prelude::*;
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
-use crate::tile::{Head, dot_staged, load_key_value_block, read_row};
+use crate::tile::{
+    Head, add_scaled_staged, dot_staged, load_key_value_block, read_row, write_row, zero_row,
+};
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -35,6 +37,8 @@ pub fn flash_backward_dq<F: Float>(
 
     let seq_q = q.shape(2);
     let seq_kv = k.shape(2);
+    let len_qk = q.shape(3);
+    let len_v = v.shape(3);
     let head = Head::from_cube(q.shape(1), k.shape(1));
     let q_begin = CUBE_POS_X as usize * block_q;
     let q_end = min(q_begin + block_q, seq_q);
@@ -49,7 +53,7 @@ pub fn flash_backward_dq<F: Float>(
         row_c,
         &mut q_row,
         dim_qk,
-        config.unroll,
+        config.columns,
     );
     let mut do_row = Array::<f32>::new(dim_v);
     read_row(
@@ -59,17 +63,14 @@ pub fn flash_backward_dq<F: Float>(
         row_c,
         &mut do_row,
         dim_v,
-        config.unroll,
+        config.columns,
     );
     let row_lse =
         lse[head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row_c * lse.stride(2)];
     let row_delta = delta
         [head.batch * delta.stride(0) + head.head_q * delta.stride(1) + row_c * delta.stride(2)];
     let mut dq_acc = Array::<f32>::new(dim_qk);
-    #[unroll(config.unroll)]
-    for c in 0..dim_qk {
-        dq_acc[c] = 0.0;
-    }
+    zero_row(&mut dq_acc, len_qk, dim_qk, config.columns);
 
     let mut k_tile = Shared::<[f32]>::new_slice(block_k * dim_qk);
     let mut v_tile = Shared::<[f32]>::new_slice(block_k * dim_v);
@@ -104,25 +105,34 @@ pub fn flash_backward_dq<F: Float>(
         );
         for j in 0..block_k {
             if !needs_mask || mask.is_visible(row_i, k0 + i32::cast_from(j)) {
-                let dot = dot_staged(&q_row, &k_tile, j * dim_qk, dim_qk, config.unroll);
+                let dot = dot_staged(&q_row, &k_tile, j * dim_qk, len_qk, dim_qk, config.columns);
                 let s = score(dot, scale, softcap, config.softcap);
                 let p = (s - row_lse).exp();
-                let dp = dot_staged(&do_row, &v_tile, j * dim_v, dim_v, config.unroll);
+                let dp = dot_staged(&do_row, &v_tile, j * dim_v, len_v, dim_v, config.columns);
                 let ds = p * (dp - row_delta) * score_grad(s, scale, softcap, config.softcap);
-                #[unroll(config.unroll)]
-                for c in 0..dim_qk {
-                    dq_acc[c] += ds * k_tile[j * dim_qk + c];
-                }
+                add_scaled_staged(
+                    &mut dq_acc,
+                    ds,
+                    &k_tile,
+                    j * dim_qk,
+                    len_qk,
+                    dim_qk,
+                    config.columns,
+                );
             }
         }
     }
 
     if row < seq_q {
-        let base = head.batch * dq.stride(0) + head.head_q * dq.stride(1) + row * dq.stride(2);
-        let col = dq.stride(3);
-        #[unroll(config.unroll)]
-        for c in 0..dim_qk {
-            dq[base + c * col] = F::cast_from(dq_acc[c]);
-        }
+        write_row(
+            dq,
+            head.batch,
+            head.head_q,
+            row,
+            &dq_acc,
+            1.0,
+            dim_qk,
+            config.columns,
+        );
     }
 }

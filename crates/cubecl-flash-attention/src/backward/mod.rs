@@ -39,6 +39,7 @@ use crate::launch::{
     DeviceTensor, check_dtype, expect_shape, grid, readable_by_16_byte_copies, softcap_arg,
     window_args,
 };
+use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use dkdv::flash_backward_dkdv;
@@ -474,7 +475,10 @@ pub(crate) fn dkdv_portable_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
 ) -> Result<TileConfig, FlashError> {
-    choose_portable_tiles(problem, limits, 4 * (problem.dim_qk + problem.dim_v + 2))
+    let config = choose_portable_tiles(problem, limits, 4 * (problem.dim_qk + problem.dim_v + 2))?;
+    let iterations = loop_budget::dkdv_iterations(problem, &config);
+    loop_budget::check("dK/dV", iterations, problem, limits)?;
+    Ok(config)
 }
 
 /// Tiles of the portable dQ kernel: query rows in registers; K and V rows staged in f32.
@@ -482,7 +486,10 @@ pub(crate) fn dq_portable_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
 ) -> Result<TileConfig, FlashError> {
-    choose_portable_tiles(problem, limits, 4 * (problem.dim_qk + problem.dim_v))
+    let config = choose_portable_tiles(problem, limits, 4 * (problem.dim_qk + problem.dim_v))?;
+    let iterations = loop_budget::dq_iterations(problem, &config);
+    loop_budget::check("dQ", iterations, problem, limits)?;
+    Ok(config)
 }
 
 /// Tiles of the tensor-core dK/dV kernel.

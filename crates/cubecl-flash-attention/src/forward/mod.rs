@@ -15,6 +15,7 @@ use crate::launch::{
     DeviceTensor, check_dtype, expect_shape, grid, readable_by_16_byte_copies, softcap_arg,
     window_args,
 };
+use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use cmma::{flash_forward_cmma, shared_bytes as cmma_shared_bytes};
@@ -273,7 +274,10 @@ pub(crate) fn portable_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
 ) -> Result<TileConfig, FlashError> {
-    choose_portable_tiles(problem, limits, 4 * (problem.dim_qk + problem.dim_v))
+    let config = choose_portable_tiles(problem, limits, 4 * (problem.dim_qk + problem.dim_v))?;
+    let iterations = loop_budget::forward_iterations(problem, &config);
+    loop_budget::check("forward", iterations, problem, limits)?;
+    Ok(config)
 }
 
 /// Tiles of the tensor-core forward kernel.

@@ -12,7 +12,10 @@ use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability};
-use crate::tile::{Head, dot_staged, load_key_value_block, read_row};
+use crate::tile::{
+    Head, add_scaled_staged, dot_staged, load_key_value_block, read_row, scale_row, write_row,
+    zero_row,
+};
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -37,6 +40,8 @@ pub fn flash_forward<F: Float>(
 
     let seq_q = q.shape(2);
     let seq_kv = k.shape(2);
+    let len_qk = q.shape(3);
+    let len_v = v.shape(3);
     let head = Head::from_cube(q.shape(1), k.shape(1));
     let q_begin = CUBE_POS_X as usize * block_q;
     let q_end = min(q_begin + block_q, seq_q);
@@ -51,13 +56,10 @@ pub fn flash_forward<F: Float>(
         min(row, seq_q - 1),
         &mut q_row,
         dim_qk,
-        config.unroll,
+        config.columns,
     );
     let mut acc = Array::<f32>::new(dim_v);
-    #[unroll(config.unroll)]
-    for c in 0..dim_v {
-        acc[c] = 0.0;
-    }
+    zero_row(&mut acc, len_v, dim_v, config.columns);
     let mut scores = Array::<f32>::new(block_k);
     let mut state = RunningState::init();
 
@@ -97,7 +99,7 @@ pub fn flash_forward<F: Float>(
         );
         let mut block_max = f32::new(MASKED);
         for j in 0..block_k {
-            let dot = dot_staged(&q_row, &k_tile, j * dim_qk, dim_qk, config.unroll);
+            let dot = dot_staged(&q_row, &k_tile, j * dim_qk, len_qk, dim_qk, config.columns);
             let mut s = score(dot, scale, softcap, config.softcap);
             if needs_mask && !mask.is_visible(row_i, k0 + i32::cast_from(j)) {
                 s = f32::new(MASKED);
@@ -108,18 +110,20 @@ pub fn flash_forward<F: Float>(
 
         // Online softmax: rescale what was accumulated, then add P·V.
         let alpha = state.rescale(block_max);
-        #[unroll(config.unroll)]
-        for c in 0..dim_v {
-            acc[c] *= alpha;
-        }
+        scale_row(&mut acc, alpha, len_v, dim_v, config.columns);
         let mut block_sum = 0.0f32;
         for j in 0..block_k {
             let p = probability(scores[j], state.m);
             block_sum += p;
-            #[unroll(config.unroll)]
-            for c in 0..dim_v {
-                acc[c] += p * v_tile[j * dim_v + c];
-            }
+            add_scaled_staged(
+                &mut acc,
+                p,
+                &v_tile,
+                j * dim_v,
+                len_v,
+                dim_v,
+                config.columns,
+            );
         }
         state.l += block_sum;
     }
@@ -127,12 +131,16 @@ pub fn flash_forward<F: Float>(
     // Epilogue: normalize, write O in the input dtype and the LSE in f32.
     if row_valid {
         let inv = state.normalizer();
-        let base = head.batch * out.stride(0) + head.head_q * out.stride(1) + row * out.stride(2);
-        let col = out.stride(3);
-        #[unroll(config.unroll)]
-        for c in 0..dim_v {
-            out[base + c * col] = F::cast_from(acc[c] * inv);
-        }
+        write_row(
+            out,
+            head.batch,
+            head.head_q,
+            row,
+            &acc,
+            inv,
+            dim_v,
+            config.columns,
+        );
         let lse_index =
             head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row * lse.stride(2);
         lse[lse_index] = state.lse(neg_inf);

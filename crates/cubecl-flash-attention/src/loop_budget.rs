@@ -1,0 +1,230 @@
+//! The loop-iteration budget of llvmpipe, Mesa's CPU driver (lavapipe on Vulkan).
+//!
+//! llvmpipe guards against endless loops with one counter per shader invocation, shared by
+//! every loop of the shader (gallivm's `LP_MAX_TGSI_LOOP_ITERATIONS`, 65 535): once the
+//! iterations of all loops together reach it, every loop still running exits after its
+//! current iteration. Nothing reports it; the kernel goes on and writes wrong results.
+//! A kernel of 64 threads that adds 1 to each of 80 values in a loop run 800 times
+//! (80 + 800 · 81 iterations) returns 799 in the first value and leaves the other 79
+//! unwritten.
+//!
+//! The portable kernels' loops are the head-dim loops (a row's columns), the loops over
+//! the rows of a staged block and over the blocks, and the cooperative copies. Their
+//! head-dim loops run [`TileConfig::columns`] columns per iteration, and before a launch
+//! [`check`] counts the iterations of one invocation (an upper bound: every block of the
+//! sequence, masked or not) and refuses the problem with [`FlashError::Unavailable`] where
+//! the driver would cut the loops short.
+
+use crate::config::{DeviceLimits, TileConfig};
+use crate::error::FlashError;
+use crate::problem::AttentionProblem;
+
+/// llvmpipe's loop iterations per shader invocation.
+pub const LLVMPIPE_LOOP_ITERATIONS: u64 = 65_535;
+
+/// The loop budget of the driver a device names itself by (`DeviceIdentity::name`, e.g.
+/// `llvmpipe (LLVM 15.0.6, 256 bits)`); `None` where loops run to the end.
+pub fn driver_loop_iterations(device_name: &str) -> Option<u64> {
+    device_name
+        .starts_with("llvmpipe")
+        .then_some(LLVMPIPE_LOOP_ITERATIONS)
+}
+
+/// Iterations of a rolled loop over a row of `dim` columns walked `columns` at a time
+/// (none where the row is unrolled whole).
+fn row(dim: usize, columns: usize) -> u64 {
+    let width = columns.min(dim);
+    match width >= dim {
+        true => 0,
+        false => dim.div_ceil(width) as u64,
+    }
+}
+
+/// Iterations of a cooperative copy of `rows` rows of `dim` values by `units` units.
+fn copy(rows: usize, dim: usize, units: usize) -> u64 {
+    (rows * dim).div_ceil(units) as u64
+}
+
+/// Loop iterations of one invocation of the portable forward kernel.
+pub fn forward_iterations(problem: &AttentionProblem, config: &TileConfig) -> u64 {
+    let (dqk, dv, c) = (config.dim_qk, config.dim_v, config.columns);
+    let (rows, block) = (config.block_rows, config.block_stream);
+    let per_block = 1
+        + copy(block, dqk, rows)
+        + copy(block, dv, rows)
+        + block as u64 * (1 + row(dqk, c))
+        + row(dv, c)
+        + block as u64 * (1 + row(dv, c));
+    let blocks = problem.seq_kv.div_ceil(block) as u64;
+    row(dqk, c) + 2 * row(dv, c) + blocks * per_block
+}
+
+/// Loop iterations of one invocation of the portable dK/dV kernel.
+pub fn dkdv_iterations(problem: &AttentionProblem, config: &TileConfig) -> u64 {
+    let (dqk, dv, c) = (config.dim_qk, config.dim_v, config.columns);
+    let (rows, block) = (config.block_rows, config.block_stream);
+    let per_block = 1
+        + copy(block, dqk, rows)
+        + copy(block, dv, rows)
+        + 2 * copy(block, 1, rows)
+        + block as u64 * (1 + 2 * row(dqk, c) + 2 * row(dv, c));
+    let blocks = problem.seq_q.div_ceil(block) as u64;
+    let group = (problem.heads_q / problem.heads_kv) as u64;
+    3 * (row(dqk, c) + row(dv, c)) + group * (1 + blocks * per_block)
+}
+
+/// Loop iterations of one invocation of the portable dQ kernel.
+pub fn dq_iterations(problem: &AttentionProblem, config: &TileConfig) -> u64 {
+    let (dqk, dv, c) = (config.dim_qk, config.dim_v, config.columns);
+    let (rows, block) = (config.block_rows, config.block_stream);
+    let per_block = 1
+        + copy(block, dqk, rows)
+        + copy(block, dv, rows)
+        + block as u64 * (1 + 2 * row(dqk, c) + row(dv, c));
+    let blocks = problem.seq_kv.div_ceil(block) as u64;
+    3 * row(dqk, c) + row(dv, c) + blocks * per_block
+}
+
+/// `Ok` where `iterations` loop iterations per invocation of the portable `kernel` run
+/// whole on the device; else an error naming the problem and the driver's budget.
+pub fn check(
+    kernel: &str,
+    iterations: u64,
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+) -> Result<(), FlashError> {
+    match limits.loop_iterations {
+        Some(budget) if iterations >= budget => Err(FlashError::Unavailable(format!(
+            "the portable {kernel} kernel would run {iterations} loop iterations per invocation \
+             for query/key sequences of {}/{}, {} query heads per key/value head and head dims \
+             {}/{}; this device's driver (llvmpipe) stops every loop after {budget} iterations \
+             in total and would return wrong results. Shorter sequences fit; a GPU runs any length",
+            problem.seq_q,
+            problem.seq_kv,
+            problem.heads_q / problem.heads_kv,
+            problem.dim_qk,
+            problem.dim_v,
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::choose_portable_tiles;
+    use crate::problem::tests::problem;
+
+    /// lavapipe's limits as the wgpu runtime reports them.
+    const LAVAPIPE: DeviceLimits = DeviceLimits {
+        max_shared_memory: 32_768,
+        max_units_per_cube: 1024,
+        plane_size: 8,
+        plane_ops: false,
+        cmma_f16: false,
+        cmma_bf16: false,
+        mma_sync_f16: false,
+        mma_sync_bf16: false,
+        paired_f32_atomics: false,
+        warpgroup_mma: false,
+        loop_iterations: Some(LLVMPIPE_LOOP_ITERATIONS),
+    };
+
+    fn sized(
+        seq_q: usize,
+        seq_kv: usize,
+        group: usize,
+        dim_qk: usize,
+        dim_v: usize,
+    ) -> AttentionProblem {
+        AttentionProblem {
+            heads_q: group,
+            heads_kv: 1,
+            seq_q,
+            seq_kv,
+            ..problem(dim_qk, dim_v)
+        }
+    }
+
+    /// The three kernels' counts for `p` on lavapipe (forward and dQ stage K/V rows,
+    /// dK/dV also the LSE and D of each query row).
+    fn counts(p: &AttentionProblem) -> [u64; 3] {
+        let row_bytes = 4 * (p.dim_qk + p.dim_v);
+        let fwd = choose_portable_tiles(p, &LAVAPIPE, row_bytes).unwrap();
+        let kv = choose_portable_tiles(p, &LAVAPIPE, row_bytes + 8).unwrap();
+        [
+            forward_iterations(p, &fwd),
+            dkdv_iterations(p, &kv),
+            dq_iterations(p, &fwd),
+        ]
+    }
+
+    #[test]
+    fn llvmpipe_is_recognized_by_name() {
+        assert_eq!(
+            driver_loop_iterations("llvmpipe (LLVM 15.0.6, 256 bits)"),
+            Some(65_535)
+        );
+        assert_eq!(driver_loop_iterations("NVIDIA H200"), None);
+        assert_eq!(driver_loop_iterations("AMD Radeon 8060S Graphics"), None);
+    }
+
+    /// The head dims and lengths of the test catalogue, and of the problems a user reported
+    /// wrong on lavapipe, fit the budget.
+    #[test]
+    fn tested_problems_fit() {
+        for p in [
+            sized(128, 97, 4, 80, 80),
+            sized(97, 1025, 4, 96, 96),
+            sized(128, 97, 2, 256, 256),
+            sized(200, 129, 2, 128, 128),
+            sized(97, 300, 2, 128, 128),
+            sized(333, 1000, 3, 72, 72),
+            sized(1000, 333, 1, 96, 96),
+            sized(257, 257, 4, 128, 128),
+            sized(777, 777, 1, 136, 136),
+            sized(600, 600, 1, 192, 128),
+            sized(1, 777, 1, 200, 200),
+            sized(300, 300, 1, 256, 256),
+            sized(1025, 1025, 1, 64, 64),
+        ] {
+            for (kernel, n) in ["forward", "dK/dV", "dQ"].into_iter().zip(counts(&p)) {
+                assert!(
+                    check(kernel, n, &p, &LAVAPIPE).is_ok(),
+                    "{kernel} {n} iterations: {p:?}"
+                );
+            }
+        }
+    }
+
+    /// Long sequences are refused on llvmpipe, with the driver named, and run elsewhere.
+    #[test]
+    fn long_sequences_are_refused_on_llvmpipe_only() {
+        let p = sized(64, 65_536, 1, 64, 64);
+        let [fwd, _, _] = counts(&p);
+        let err = check("forward", fwd, &p, &LAVAPIPE).unwrap_err();
+        assert!(matches!(&err, FlashError::Unavailable(m) if m.contains("llvmpipe")));
+        let gpu = DeviceLimits {
+            loop_iterations: None,
+            ..LAVAPIPE
+        };
+        assert!(check("forward", fwd, &p, &gpu).is_ok());
+    }
+
+    /// Walking rows 16 columns at a time divides the head-dim loops' share by 16 (rolled,
+    /// d = 128: 22 iterations per key in the forward, against 266 one column at a time).
+    #[test]
+    fn column_steps_shrink_the_count() {
+        let p = sized(64, 1024, 1, 128, 128);
+        let row_bytes = 4 * 256;
+        let config = choose_portable_tiles(&p, &LAVAPIPE, row_bytes).unwrap();
+        assert_eq!(config.columns, 16);
+        let one = TileConfig {
+            columns: 1,
+            ..config
+        };
+        let per_key = |c: &TileConfig| forward_iterations(&p, c) / 1024;
+        assert_eq!(per_key(&config), 22);
+        assert_eq!(per_key(&one), 266);
+    }
+}
