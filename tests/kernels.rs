@@ -188,9 +188,6 @@ fn forward_and_backward_match_the_oracle() {
             if common::is_cpu_device() && dtype != FloatDtype::F32 && case.is_long() {
                 continue;
             }
-            if !case.runs_on_this_device() {
-                continue;
-            }
             for path in common::paths(&client, dtype) {
                 check_case(&client, &case, dtype, Layout::Contiguous, path);
             }
@@ -359,10 +356,7 @@ fn zeroed_sums_start_at_zero() {
 #[test]
 fn strided_bshd_inputs_are_read_in_place() {
     let client = common::client();
-    for case in common::catalogue()
-        .iter()
-        .filter(|c| !c.is_long() && c.runs_on_this_device())
-    {
+    for case in common::catalogue().iter().filter(|c| !c.is_long()) {
         check_case(
             &client,
             case,
@@ -397,7 +391,7 @@ fn misaligned_rows_step_down_and_stay_correct() {
     let dtype = auto_test_dtype(&client);
     for case in common::catalogue()
         .iter()
-        .filter(|c| !c.is_long() && c.runs_on_this_device())
+        .filter(|c| !c.is_long())
         .filter(|c| c.dims.dim_qk % 8 == 0 && c.dims.dim_v % 8 == 0)
         .take(3)
     {
@@ -659,4 +653,111 @@ fn calls_allocate_only_their_outputs() {
         drop(grads);
         drop(fwd);
     }
+}
+
+mod probe {
+    use cubecl::prelude::*;
+
+    /// Counts the iterations one loop of `n` runs.
+    #[cube(launch_unchecked)]
+    pub fn count_loop_iterations(out: &mut Tensor<u32>, n: u32) {
+        let mut count = 0u32;
+        for _ in 0..n {
+            count += 1;
+        }
+        out[0] = count;
+    }
+}
+
+/// llvmpipe (lavapipe's driver, the CPU test device) stops every loop of a kernel once the
+/// kernel's loops have run 65 535 iterations together, without an error: a loop of 100 000
+/// runs 65 535 times there and whole elsewhere. `DeviceLimits::loop_iterations` must know
+/// it, since the portable launchers keep within it (`loop_budget`).
+#[test]
+fn the_device_loop_budget_is_known() {
+    use cubecl::prelude::{CubeCount, CubeDim, TensorArg};
+    let client = common::client();
+    let limits = DeviceLimits::from_properties(client.properties());
+    let n = 100_000u32;
+    let out = DeviceTensor::from_bytes(&client, &[1], &0u32.to_le_bytes());
+    unsafe {
+        probe::count_loop_iterations::launch_unchecked(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            TensorArg::from_raw_parts(out.handle.clone(), vec![1].into(), vec![1].into()),
+            n,
+        );
+    }
+    let bytes = client.read_one(out.handle).expect("read back");
+    let ran = u32::from_le_bytes(bytes[..4].try_into().unwrap());
+    match limits.loop_iterations {
+        Some(budget) => assert_eq!(u64::from(ran), budget, "loop of {n} on {limits:?}"),
+        None => assert_eq!(ran, n, "a loop of {n} was cut short on {limits:?}"),
+    }
+}
+
+/// Where the driver has a loop budget, a problem whose portable kernels would pass it is an
+/// error naming the driver, from the forward and from the backward (long keys, long queries),
+/// and the device keeps working; elsewhere the budget refuses nothing.
+#[test]
+fn problems_past_the_loop_budget_are_refused() {
+    let client = common::client();
+    let limits = DeviceLimits::from_properties(client.properties());
+    let long_keys = common::case(common::dims(1, 1, 1, 1, 40_000, 64, 64));
+    let long_queries = common::case(common::dims(1, 4, 1, 40_000, 1, 64, 64));
+    for case in [long_keys, long_queries] {
+        if limits.loop_iterations.is_none() {
+            continue;
+        }
+        let (qs, ks, vs, os) = shapes(&case);
+        // Buffers of the right size; the launchers must refuse before touching them.
+        let t = |s: &[usize]| DeviceTensor::empty(&client, s, 4);
+        let (q, k, v) = (t(&qs), t(&ks), t(&vs));
+        let (out, lse) = (t(&os), t(&os[..3]));
+        let saved = Saved {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            lse: &lse,
+        };
+        let bwd = backward(
+            &client,
+            saved,
+            &t(&os),
+            FloatDtype::F32,
+            case.options(),
+            KernelPath::Auto,
+        );
+        let refused =
+            |e: &FlashError| matches!(e, FlashError::Unavailable(m) if m.contains("llvmpipe"));
+        // Long keys: the forward's and the dQ kernel's loops over key blocks; long queries:
+        // the dK/dV kernel's loop over query blocks (their forward fits, and is not run).
+        assert!(
+            bwd.as_ref().is_err_and(refused),
+            "backward: {:?}",
+            bwd.err()
+        );
+        if case.dims.seq_kv > case.dims.seq_q {
+            let fwd = forward(
+                &client,
+                &q,
+                &k,
+                &v,
+                FloatDtype::F32,
+                case.options(),
+                KernelPath::Auto,
+            );
+            assert!(fwd.as_ref().is_err_and(refused), "forward: {:?}", fwd.err());
+        }
+    }
+    // The device still runs a problem that fits.
+    check_case(
+        &client,
+        &common::catalogue()[1],
+        FloatDtype::F32,
+        Layout::Contiguous,
+        KernelPath::Portable,
+    );
 }

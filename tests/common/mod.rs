@@ -280,8 +280,9 @@ pub const fn case(dims: Dims) -> Case {
     }
 }
 
-/// The problem catalogue: odd sizes (s ∈ {1, 97, 128, 1025}, d ∈ {40, 64, 80, 96, 111, 128,
-/// 256}), s_q ≠ s_kv both ways, GQA ratios 1, 4 and all (MQA), every option.
+/// The problem catalogue: odd sizes (s ∈ {1, 3, 33, 97, 128, 1025}, d ∈ {40, 64, 72, 80, 96,
+/// 111, 128, 136, 192, 200, 256}), s_q ≠ s_kv both ways, GQA ratios 1, 3, 4 and all (MQA),
+/// every option. Every problem runs on every device, the CPU test device (lavapipe) included.
 pub fn catalogue() -> Vec<Case> {
     vec![
         case(dims(1, 1, 1, 1, 1, 64, 64)),
@@ -332,6 +333,19 @@ pub fn catalogue() -> Vec<Case> {
             causal: true,
             ..case(dims(1, 2, 1, 200, 129, 128, 128))
         },
+        // Head dims the portable path walks in steps of columns on CPU devices (several key
+        // blocks each): GQA 3:1 at d = 72; causal with s_q > s_kv at d = 136; a few new
+        // tokens against a longer cache with d_qk = 192, d_v = 128; one token at d = 200.
+        case(dims(1, 3, 1, 33, 150, 72, 72)),
+        Case {
+            causal: true,
+            ..case(dims(1, 2, 2, 100, 77, 136, 136))
+        },
+        Case {
+            causal: true,
+            ..case(dims(2, 2, 1, 3, 300, 192, 128))
+        },
+        case(dims(1, 4, 2, 1, 333, 200, 200)),
     ]
 }
 
@@ -348,21 +362,6 @@ pub fn selected_cases() -> Vec<Case> {
 }
 
 impl Case {
-    /// Whether the selected device runs this problem. All do, except on the CPU device
-    /// (lavapipe, Mesa 22.3), which miscompiles the rolled head-dim loops of d = 80, 96 and
-    /// 256 (NaN outputs; the generated WGSL is correct and the same kernels pass on CUDA) and
-    /// takes minutes to compile them unrolled. See docs/status.md. There d_qk = d_v = 128
-    /// gives infinite outputs too (O, dK) on the portable path, which has not yet run those
-    /// problems on CUDA: whether the driver or the kernels is open (docs/status.md).
-    pub fn runs_on_this_device(&self) -> bool {
-        let d = self.dims.dim_qk.max(self.dims.dim_v);
-        let square_128 = self.dims.dim_qk == 128 && self.dims.dim_v == 128;
-        std::env::var_os("FLASH_ALL_CASES").is_some()
-            || !is_cpu_device()
-            || d <= 64
-            || ((97..=128).contains(&d) && !square_128)
-    }
-
     /// Sequences of a thousand or more.
     pub fn is_long(&self) -> bool {
         self.dims.seq_q.max(self.dims.seq_kv) > 1000

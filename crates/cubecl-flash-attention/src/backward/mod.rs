@@ -296,9 +296,8 @@ pub fn backward_into(
                 );
             }
         }
-        Plan::Portable => {
-            let config = dkdv_portable_config(&problem, &limits)?;
-            let (count, dim) = grid(&config, problem.seq_kv, problem.batch, problem.heads_kv);
+        Plan::Portable { dkdv, dq } => {
+            let (count, dim) = grid(&dkdv, problem.seq_kv, problem.batch, problem.heads_kv);
             unsafe {
                 flash_backward_dkdv::launch_unchecked(
                     client,
@@ -316,13 +315,12 @@ pub fn backward_into(
                     softcap,
                     left,
                     right,
-                    config,
+                    dkdv,
                     elem,
                 );
             }
 
-            let config = dq_portable_config(&problem, &limits)?;
-            let (count, dim) = grid(&config, problem.seq_q, problem.batch, problem.heads_q);
+            let (count, dim) = grid(&dq, problem.seq_q, problem.batch, problem.heads_q);
             unsafe {
                 flash_backward_dq::launch_unchecked(
                     client,
@@ -339,7 +337,7 @@ pub fn backward_into(
                     softcap,
                     left,
                     right,
-                    config,
+                    dq,
                     elem,
                 );
             }
@@ -352,7 +350,11 @@ pub fn backward_into(
 enum Plan {
     RegisterMma(RegisterBackwardConfig),
     TensorCore,
-    Portable,
+    /// The dK/dV and dQ kernels' tiles, both checked before anything launches.
+    Portable {
+        dkdv: TileConfig,
+        dq: TileConfig,
+    },
 }
 
 /// [`choose_path`]'s path, except that the register-level path steps down to the `cmma`
@@ -376,7 +378,10 @@ fn plan(
             }
         }
         KernelPath::TensorCore => Ok(Plan::TensorCore),
-        KernelPath::Auto | KernelPath::Portable => Ok(Plan::Portable),
+        KernelPath::Auto | KernelPath::Portable => Ok(Plan::Portable {
+            dkdv: dkdv_portable_config(problem, limits)?,
+            dq: dq_portable_config(problem, limits)?,
+        }),
     }
 }
 
