@@ -71,8 +71,9 @@ fn run(device: &Device, case: &Case, x: &[Vec<f64>; 4], bshd: bool) -> Run {
 
 fn cases() -> Vec<Case> {
     let catalogue = common::catalogue();
-    // GQA causal with s_q > s_kv (fully masked rows), d = 64; window + softcap + scale, d = 111.
-    vec![catalogue[4], catalogue[7]]
+    // GQA causal with s_q > s_kv (fully masked rows), d = 64; window + softcap + scale, d = 111;
+    // causal with s_q > s_kv at d = 128 (several key blocks).
+    vec![catalogue[4], catalogue[7], catalogue[11]]
 }
 
 fn random_inputs(case: &Case, rng: &mut rand::rngs::StdRng) -> [Vec<f64>; 4] {
