@@ -3,7 +3,7 @@
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Tensor};
-use cubecl_flash_attention::{AttentionProblem, FloatDtype};
+use cubecl_flash_attention::{AttentionProblem, DeviceLimits, FloatDtype, loop_budget};
 
 use crate::fallback;
 use crate::ops::FlashAttentionOps;
@@ -21,7 +21,9 @@ use crate::options::FlashAttentionOptions;
 ///
 /// On CUDA, ROCm and wgpu devices this runs the fused kernels, with a fused backward under
 /// autodiff. On other backends (Flex, NdArray, …) it computes the same function from Burn
-/// tensor ops, so code never branches on the backend.
+/// tensor ops, so code never branches on the backend; so does a CPU Vulkan driver
+/// (lavapipe) for problems whose kernels would pass its loop budget (see the kernels'
+/// `loop_budget`), with the `[s_q, s_kv]` scores in memory.
 ///
 /// # Panics
 /// On mismatched shapes, head counts, dtypes or devices, with a message naming the argument.
@@ -43,8 +45,8 @@ pub fn flash_attention_with_lse(
     v: Tensor<4>,
     options: FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>) {
-    validate(&q, &k, &v, &options);
-    if !supports_flash_attention(&q.device()) {
+    let problem = validate(&q, &k, &v, &options);
+    if !fused_kernels_take(&q.device(), &problem) {
         return fallback::attention(q, k, v, &options);
     }
     let (o, lse) = <Dispatch as FlashAttentionOps>::flash_attention_fwd(
@@ -68,6 +70,21 @@ pub fn supports_flash_attention(device: &Device) -> bool {
     }
 }
 
+/// Whether the fused kernels run `problem` on `device`: a Cube device, and where its driver
+/// cuts loops short past a budget (lavapipe), a problem whose kernels stay within it.
+fn fused_kernels_take(device: &Device, problem: &AttentionProblem) -> bool {
+    use burn::backend::DispatchDevice;
+    #[allow(unreachable_patterns)]
+    match device.clone().without_autodiff().as_dispatch() {
+        #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+        DispatchDevice::Cube(cube) => {
+            let limits = DeviceLimits::from_properties(cube.client().properties());
+            loop_budget::check_problem(problem, &limits).is_ok()
+        }
+        _ => false,
+    }
+}
+
 /// The kernels' dtype for a Burn dtype, if they take it.
 pub(crate) fn kernel_dtype(dtype: DType) -> Option<FloatDtype> {
     match dtype {
@@ -78,8 +95,13 @@ pub(crate) fn kernel_dtype(dtype: DType) -> Option<FloatDtype> {
     }
 }
 
-/// Panics with a message naming the argument on any mismatch.
-fn validate(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, options: &FlashAttentionOptions) {
+/// The problem, checked; panics with a message naming the argument on any mismatch.
+fn validate(
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
+    options: &FlashAttentionOptions,
+) -> AttentionProblem {
     let dtype = q.dtype();
     let Some(kernel_dtype) = kernel_dtype(dtype) else {
         panic!("flash_attention: `q` has dtype {dtype:?}, expected F32, F16 or BF16");
@@ -98,13 +120,12 @@ fn validate(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, options: &FlashAttentio
             q.device()
         );
     }
-    if let Err(e) = AttentionProblem::new(
+    AttentionProblem::new(
         &q.dims(),
         &k.dims(),
         &v.dims(),
         kernel_dtype,
         options.kernel_options(),
-    ) {
-        panic!("flash_attention: {e}");
-    }
+    )
+    .unwrap_or_else(|e| panic!("flash_attention: {e}"))
 }

@@ -209,3 +209,42 @@ fn module_trains() {
         "loss did not fall: {losses:?} (seed {seed})"
     );
 }
+
+/// A problem past the CPU driver's loop budget (lavapipe: two queries against 20 000 keys)
+/// is refused by the kernels there, and the op takes its composed path instead: forward and
+/// gradients still match the oracle. On GPUs the fused kernels run it.
+#[test]
+fn problems_past_the_loop_budget_take_the_composed_path() {
+    use burn_flash_attention::kernels::{AttentionProblem, DeviceLimits, loop_budget};
+    let device = common::burn_device();
+    let case = common::case(common::dims(1, 2, 1, 2, 20_000, 64, 64));
+    let d = &case.dims;
+    let problem = AttentionProblem::new(
+        &[d.batch, d.heads_q, d.seq_q, d.dim_qk],
+        &[d.batch, d.heads_kv, d.seq_kv, d.dim_qk],
+        &[d.batch, d.heads_kv, d.seq_kv, d.dim_v],
+        FloatDtype::F32,
+        case.options(),
+    )
+    .unwrap();
+    let limits = DeviceLimits::from_properties(common::client().properties());
+    assert_eq!(
+        loop_budget::check_problem(&problem, &limits).is_err(),
+        limits.loop_iterations.is_some(),
+        "{limits:?}"
+    );
+
+    let (seed, mut rng) = common::rng();
+    let context = format!("seed {seed}, {case:?}");
+    let x = random_inputs(&case, &mut rng);
+    let got = run(&device, &case, &x, false);
+    let opts = case.reference_options();
+    let want = reference::forward(&case.dims, &opts, &x[0], &x[1], &x[2]);
+    let grads = reference::backward(&case.dims, &opts, &x[0], &x[1], &x[2], &x[3]);
+    let low = naive::attention(&case, FloatDtype::F32, &x[0], &x[1], &x[2], &x[3]);
+    assert_close("O", &got.out, &want.out, &low.out, 2e-5, &context);
+    assert_close("LSE", &got.lse, &want.lse, &low.lse, 2e-5, &context);
+    assert_close("dQ", &got.dq, &grads.dq, &low.dq, 1e-4, &context);
+    assert_close("dK", &got.dk, &grads.dk, &low.dk, 1e-4, &context);
+    assert_close("dV", &got.dv, &grads.dv, &low.dv, 1e-4, &context);
+}

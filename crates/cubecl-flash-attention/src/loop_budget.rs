@@ -109,6 +109,20 @@ pub fn check(
     }
 }
 
+/// `Ok` where every portable kernel of `problem` (forward, dK/dV and dQ) runs within the
+/// device's loop budget, or the device has none; else the first kernel's refusal. A caller
+/// can then take another path before anything is launched (the Burn op takes its composed
+/// attention).
+pub fn check_problem(problem: &AttentionProblem, limits: &DeviceLimits) -> Result<(), FlashError> {
+    if limits.loop_iterations.is_none() {
+        return Ok(());
+    }
+    crate::forward::portable_config(problem, limits)?;
+    crate::backward::dkdv_portable_config(problem, limits)?;
+    crate::backward::dq_portable_config(problem, limits)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
