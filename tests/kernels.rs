@@ -761,3 +761,25 @@ fn problems_past_the_loop_budget_are_refused() {
         KernelPath::Portable,
     );
 }
+
+/// Problems whose dQ kernel (one query against 1920 keys) and dK/dV kernel (1488 queries
+/// against 20 keys) come within 10% of the CPU driver's loop budget at d = 128 (the kernels
+/// crate's `near_budget_problems_are_near_it`) run whole: were the launchers' counts short,
+/// llvmpipe would cut their loops and the results would be wrong (a count that left out
+/// each loop's closing test let 2048 keys through, and dQ came out infinite).
+#[test]
+fn problems_just_within_the_loop_budget_are_right() {
+    let client = common::client();
+    for dims in [
+        common::dims(1, 1, 1, 1, 1920, 128, 128),
+        common::dims(1, 1, 1, 1488, 20, 128, 128),
+    ] {
+        check_case(
+            &client,
+            &common::case(dims),
+            FloatDtype::F32,
+            Layout::Contiguous,
+            KernelPath::Portable,
+        );
+    }
+}
