@@ -699,7 +699,8 @@ fn the_device_loop_budget_is_known() {
 
 /// Where the driver has a loop budget, a problem whose portable kernels would pass it is an
 /// error naming the driver, from the forward and from the backward (long keys, long queries),
-/// and the device keeps working; elsewhere the budget refuses nothing.
+/// and the device keeps working (devices without a budget: the kernels crate's
+/// `long_sequences_are_refused_on_llvmpipe_only` and the op's composed-path test).
 #[test]
 fn problems_past_the_loop_budget_are_refused() {
     let client = common::client();

@@ -91,21 +91,26 @@ fn fused_op_and_gradients_match_the_oracle() {
     );
     for case in cases() {
         for bshd in [false, true] {
-            let (seed, mut rng) = common::rng();
-            let context = format!("seed {seed}, bshd={bshd}, {case:?}");
-            let x = random_inputs(&case, &mut rng);
-            let got = run(&device, &case, &x, bshd);
-            let opts = case.reference_options();
-            let want = reference::forward(&case.dims, &opts, &x[0], &x[1], &x[2]);
-            let grads = reference::backward(&case.dims, &opts, &x[0], &x[1], &x[2], &x[3]);
-            let low = naive::attention(&case, FloatDtype::F32, &x[0], &x[1], &x[2], &x[3]);
-            assert_close("O", &got.out, &want.out, &low.out, 2e-5, &context);
-            assert_close("LSE", &got.lse, &want.lse, &low.lse, 2e-5, &context);
-            assert_close("dQ", &got.dq, &grads.dq, &low.dq, 1e-4, &context);
-            assert_close("dK", &got.dk, &grads.dk, &low.dk, 1e-4, &context);
-            assert_close("dV", &got.dv, &grads.dv, &low.dv, 1e-4, &context);
+            check_against_oracle(&device, &case, bshd);
         }
     }
+}
+
+/// The op's output, LSE and gradients on fresh random inputs against the oracle.
+fn check_against_oracle(device: &Device, case: &Case, bshd: bool) {
+    let (seed, mut rng) = common::rng();
+    let context = format!("seed {seed}, bshd={bshd}, {case:?}");
+    let x = random_inputs(case, &mut rng);
+    let got = run(device, case, &x, bshd);
+    let opts = case.reference_options();
+    let want = reference::forward(&case.dims, &opts, &x[0], &x[1], &x[2]);
+    let grads = reference::backward(&case.dims, &opts, &x[0], &x[1], &x[2], &x[3]);
+    let low = naive::attention(case, FloatDtype::F32, &x[0], &x[1], &x[2], &x[3]);
+    assert_close("O", &got.out, &want.out, &low.out, 2e-5, &context);
+    assert_close("LSE", &got.lse, &want.lse, &low.lse, 2e-5, &context);
+    assert_close("dQ", &got.dq, &grads.dq, &low.dq, 1e-4, &context);
+    assert_close("dK", &got.dk, &grads.dk, &low.dk, 1e-4, &context);
+    assert_close("dV", &got.dv, &grads.dv, &low.dv, 1e-4, &context);
 }
 
 #[test]
@@ -234,17 +239,5 @@ fn problems_past_the_loop_budget_take_the_composed_path() {
         "{limits:?}"
     );
 
-    let (seed, mut rng) = common::rng();
-    let context = format!("seed {seed}, {case:?}");
-    let x = random_inputs(&case, &mut rng);
-    let got = run(&device, &case, &x, false);
-    let opts = case.reference_options();
-    let want = reference::forward(&case.dims, &opts, &x[0], &x[1], &x[2]);
-    let grads = reference::backward(&case.dims, &opts, &x[0], &x[1], &x[2], &x[3]);
-    let low = naive::attention(&case, FloatDtype::F32, &x[0], &x[1], &x[2], &x[3]);
-    assert_close("O", &got.out, &want.out, &low.out, 2e-5, &context);
-    assert_close("LSE", &got.lse, &want.lse, &low.lse, 2e-5, &context);
-    assert_close("dQ", &got.dq, &grads.dq, &low.dq, 1e-4, &context);
-    assert_close("dK", &got.dk, &grads.dk, &low.dk, 1e-4, &context);
-    assert_close("dV", &got.dv, &grads.dv, &low.dv, 1e-4, &context);
+    check_against_oracle(&device, &case, false);
 }

@@ -286,6 +286,46 @@ pub fn load_vector(
     }
 }
 
+/// `row[c] ← row[c] + factor · tile[offset + c]`, returning `Σ_c other[c] · tile[offset + c]`:
+/// [`add_scaled_staged`] and [`dot_staged`] over one staged row, read once.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn add_scaled_and_dot_staged(
+    row: &mut Array<f32>,
+    factor: f32,
+    other: &Array<f32>,
+    tile: &Shared<[f32]>,
+    offset: usize,
+    len: usize,
+    #[comptime] dim: usize,
+    #[comptime] columns: usize,
+) -> f32 {
+    let mut dot = 0.0f32;
+    let width = comptime!(columns.min(dim));
+    if comptime!(width == dim) {
+        #[unroll]
+        for c in 0..dim {
+            let t = tile[offset + c];
+            row[c] += factor * t;
+            dot += other[c] * t;
+        }
+    } else {
+        // `len` (= `dim`) counts the steps: a count the compiler cannot see, as in `read_row`.
+        for step in 0..len.div_ceil(width) {
+            #[unroll]
+            for i in 0..width {
+                let c = step * width + i;
+                if comptime!(dim.is_multiple_of(width)) || c < dim {
+                    let t = tile[offset + c];
+                    row[c] += factor * t;
+                    dot += other[c] * t;
+                }
+            }
+        }
+    }
+    dot
+}
+
 /// `Σ_c row[c] · tile[offset + c]`: a row held in registers against a row staged in shared
 /// memory.
 #[cube]

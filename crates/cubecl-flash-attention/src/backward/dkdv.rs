@@ -12,7 +12,8 @@ use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
 use crate::tile::{
-    add_scaled_staged, dot_staged, load_rows, load_vector, read_row, write_row, zero_row,
+    add_scaled_and_dot_staged, add_scaled_staged, dot_staged, load_rows, load_vector, read_row,
+    write_row, zero_row,
 };
 
 #[cube(launch_unchecked)]
@@ -127,16 +128,17 @@ pub fn flash_backward_dkdv<F: Float>(
                         dot_staged(&k_row, &q_tile, i * dim_qk, len_qk, dim_qk, config.columns);
                     let s = score(dot, scale, softcap, config.softcap);
                     let p = (s - lse_tile[i]).exp();
-                    add_scaled_staged(
+                    // dV += P·dOᵢ and dP = dOᵢ·V, reading the staged dO row once.
+                    let dp = add_scaled_and_dot_staged(
                         &mut dv_acc,
                         p,
+                        &v_row,
                         &do_tile,
                         i * dim_v,
                         len_v,
                         dim_v,
                         config.columns,
                     );
-                    let dp = dot_staged(&v_row, &do_tile, i * dim_v, len_v, dim_v, config.columns);
                     let ds =
                         p * (dp - delta_tile[i]) * score_grad(s, scale, softcap, config.softcap);
                     add_scaled_staged(
