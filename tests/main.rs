@@ -4,6 +4,7 @@
 //! CPU Vulkan driver). See `tests/common/mod.rs`.
 
 mod common;
+mod decode;
 mod kernels;
 mod op;
 mod oracle;

@@ -56,6 +56,9 @@ pub struct DeviceLimits {
     /// loops past a budget instead of running them ([`crate::loop_budget`]); `None` where
     /// loops run to the end.
     pub loop_iterations: Option<u64>,
+    /// Multiprocessors (SMs, CUs) the device runs cubes on; CPU cores on a CPU device; 1
+    /// where the runtime does not say.
+    pub multiprocessors: usize,
 }
 
 impl DeviceLimits {
@@ -81,6 +84,11 @@ impl DeviceLimits {
             warpgroup_mma: props.features.tma.contains(Tma::Base)
                 && !props.features.tma.contains(Tma::Im2colWide),
             loop_iterations: crate::loop_budget::driver_loop_iterations(&props.identity.name),
+            multiprocessors: hw
+                .num_streaming_multiprocessors
+                .or(hw.num_cpu_cores)
+                .unwrap_or(1)
+                .max(1) as usize,
         }
     }
 
@@ -207,7 +215,7 @@ pub fn choose_portable_tiles(
 }
 
 /// Columns per iteration of the portable head-dim loops over rows of `dim` columns.
-fn portable_columns(dim: usize, limits: &DeviceLimits) -> usize {
+pub(crate) fn portable_columns(dim: usize, limits: &DeviceLimits) -> usize {
     match limits.plane_ops {
         true if dim <= MAX_UNROLLED_DIM => dim,
         true => 1,
@@ -820,6 +828,7 @@ mod tests {
         paired_f32_atomics: true,
         warpgroup_mma: true,
         loop_iterations: None,
+        multiprocessors: 132,
     };
     /// As [`NVIDIA`] (sm_90), without the warpgroup products (sm_80).
     const SM80: DeviceLimits = DeviceLimits {
@@ -838,6 +847,7 @@ mod tests {
         paired_f32_atomics: false,
         warpgroup_mma: false,
         loop_iterations: None,
+        multiprocessors: 132,
     };
     const WEBGPU: DeviceLimits = DeviceLimits {
         max_shared_memory: 16_384,
@@ -851,6 +861,7 @@ mod tests {
         paired_f32_atomics: false,
         warpgroup_mma: false,
         loop_iterations: None,
+        multiprocessors: 132,
     };
 
     #[test]

@@ -3,6 +3,8 @@
 //!
 //! - [`forward::forward`]: `O` and the LSE of `softmax(Q·Kᵀ·scale)·V`;
 //! - [`backward::backward`]: `dQ`, `dK`, `dV` from `dO`, recomputing the scores;
+//! - [`decode::decode`]: serving, new queries against a contiguous or paged KV cache
+//!   (appended in place), the key range split over cubes;
 //! - [`reference`]: the f64 CPU oracle every kernel is tested against.
 //!
 //! Options: softmax scale, causal and sliding-window masks (bottom-right aligned), softcap,
@@ -10,6 +12,7 @@
 
 pub mod backward;
 pub mod config;
+pub mod decode;
 pub mod error;
 pub mod forward;
 pub mod launch;

@@ -16,6 +16,7 @@
 //! the driver would cut the loops short.
 
 use crate::config::{DeviceLimits, TileConfig};
+use crate::decode::DecodeConfig;
 use crate::error::FlashError;
 use crate::problem::AttentionProblem;
 
@@ -100,6 +101,31 @@ pub fn dq_iterations(problem: &AttentionProblem, config: &TileConfig) -> u64 {
     3 * row(dqk, c) + row(dv, c) + run(0) + blocks * per_block
 }
 
+/// Loop iterations of one invocation of the decode kernel reading `blocks` key blocks.
+pub fn decode_iterations(config: &DecodeConfig, blocks: usize) -> u64 {
+    let (dqk, dv, c) = (config.dim_qk, config.dim_v, config.columns);
+    let (rows, keys, units) = (config.rows, config.block_kv, config.units);
+    let pairs = (rows * keys).div_ceil(units) as u64;
+    // One key block: K and V staged, the scores, the softmax of a row, then P·V.
+    let per_block = 1
+        + copy(keys, dqk, units)
+        + copy(keys, dv, units)
+        + run(pairs)
+        + pairs * row(dqk, c)
+        + 2 * run(keys as u64)
+        + config.outputs_per_unit() as u64 * run(keys as u64);
+    copy(rows, dqk, units) + run(0) + blocks as u64 * per_block
+}
+
+/// Most key blocks one invocation of the decode kernel may read within the device's loop
+/// budget; `None` where loops run to the end.
+pub fn decode_max_blocks(config: &DecodeConfig, limits: &DeviceLimits) -> Option<usize> {
+    let budget = limits.loop_iterations?;
+    let fixed = decode_iterations(config, 0);
+    let per_block = decode_iterations(config, 1) - fixed;
+    Some((budget.saturating_sub(fixed + 1) / per_block).max(1) as usize)
+}
+
 /// `Ok` where `iterations` loop iterations per invocation of the portable `kernel` run
 /// whole on the device; else an error naming the problem and the driver's budget.
 pub fn check(
@@ -157,6 +183,7 @@ mod tests {
         paired_f32_atomics: false,
         warpgroup_mma: false,
         loop_iterations: Some(LLVMPIPE_LOOP_ITERATIONS),
+        multiprocessors: 2,
     };
 
     fn sized(
@@ -251,6 +278,7 @@ mod tests {
         assert!(matches!(&err, FlashError::Unavailable(m) if m.contains("llvmpipe")));
         let gpu = DeviceLimits {
             loop_iterations: None,
+            multiprocessors: 132,
             ..LAVAPIPE
         };
         assert!(check("forward", fwd, &p, &gpu).is_ok());

@@ -359,6 +359,39 @@ pub fn dot_staged(
     dot
 }
 
+/// `Σ_c a[a_offset + c] · b[b_offset + c]`: two rows staged in shared memory.
+#[cube]
+pub fn dot_shared(
+    a: &Shared<[f32]>,
+    a_offset: usize,
+    b: &Shared<[f32]>,
+    b_offset: usize,
+    len: usize,
+    #[comptime] dim: usize,
+    #[comptime] columns: usize,
+) -> f32 {
+    let mut dot = 0.0f32;
+    let width = comptime!(columns.min(dim));
+    if comptime!(width == dim) {
+        #[unroll]
+        for c in 0..dim {
+            dot += a[a_offset + c] * b[b_offset + c];
+        }
+    } else {
+        // `len` (= `dim`) counts the steps: a count the compiler cannot see, as in `read_row`.
+        for step in 0..len.div_ceil(width) {
+            #[unroll]
+            for i in 0..width {
+                let c = step * width + i;
+                if comptime!(dim.is_multiple_of(width)) || c < dim {
+                    dot += a[a_offset + c] * b[b_offset + c];
+                }
+            }
+        }
+    }
+    dot
+}
+
 /// Stages the key and value rows `[first, first + rows)` of head `head`.
 #[cube]
 #[allow(clippy::too_many_arguments)]

@@ -1,0 +1,42 @@
+//! Writing new keys and values into a cache in place: token `i` of sequence `b` goes to
+//! position `cache_seqlens[b] + i`, in the sequence's own rows or in the page its block
+//! table names.
+
+use cubecl::prelude::*;
+
+use super::cache::cache_slot;
+
+/// Copies `new` `[batch, heads_kv, s_new, d]` into `cache` (presented as `[blocks, heads_kv,
+/// rows, d]`, see [`super::cache`]). One cube per (token, batch·head); a cube takes the
+/// tokens `CUBE_POS_X + n · CUBE_COUNT_X`, its units the columns.
+#[cube(launch_unchecked)]
+pub fn append_to_cache<F: Float>(
+    new: &Tensor<F>,
+    cache: &mut Tensor<F>,
+    seqlens: &Tensor<i32>,
+    table: &Tensor<i32>,
+    page_size: u32,
+    #[comptime] paged: bool,
+    #[define(F)] _dtype: ElemType,
+) {
+    let heads = new.shape(1);
+    let tokens = new.shape(2);
+    let dim = new.shape(3);
+    let batch = CUBE_POS_Y as usize / heads;
+    let head = CUBE_POS_Y as usize % heads;
+    let length = usize::cast_from(seqlens[batch * seqlens.stride(0)]);
+    let page_size = page_size as usize;
+    let mut token = CUBE_POS_X as usize;
+    while token < tokens {
+        let slot = cache_slot(table, batch, length + token, page_size, paged);
+        let to = slot.block * cache.stride(0) + head * cache.stride(1) + slot.row * cache.stride(2);
+        let from = batch * new.stride(0) + head * new.stride(1) + token * new.stride(2);
+        let col_stride = cache.stride(3);
+        let mut c = UNIT_POS as usize;
+        while c < dim {
+            cache[to + c * col_stride] = new[from + c * new.stride(3)];
+            c += CUBE_DIM as usize;
+        }
+        token += CUBE_COUNT_X as usize;
+    }
+}

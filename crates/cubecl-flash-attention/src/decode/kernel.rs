@@ -1,0 +1,316 @@
+//! The decode kernel: a few new queries against a long key/value cache (flash-decoding).
+//!
+//! Training kernels give each query head its own cube and one unit per query row; at decode
+//! a query block then holds one live row, a (batch, head) pair is one cube on a device of a
+//! hundred multiprocessors, and under GQA every query head reads its K/V again. Here:
+//!
+//! - a cube owns one K/V head of one sequence and packs the queries of every query head that
+//!   reads it (`group · s_q` rows, `rows` per cube): each K/V byte is read once per K/V head;
+//! - the sequence's key range is cut into `CUBE_COUNT_X` splits, one per cube, whose
+//!   results [`super::merge`] combines by their LSE;
+//! - K/V come from a contiguous or a paged cache ([`super::cache`]), up to the sequence's own
+//!   length (`cache_seqlens[b]`, plus the keys appended by this call);
+//! - per key block the cube stages K and V, computes the `rows × block_kv` scores (one pair
+//!   per unit), runs the online softmax of each row (one unit per row), then adds `P·V` to
+//!   the outputs, which the units share column by column.
+//!
+//! No plane operations or tensor cores: it runs on every device.
+
+use cubecl::prelude::*;
+
+use super::cache::stage_cache_rows;
+use crate::mask::{Blocks, Mask};
+use crate::score::score;
+use crate::softmax::{MASKED, RunningState, probability};
+use crate::tile::dot_shared;
+
+/// The compile-time configuration of one decode kernel variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DecodeConfig {
+    /// Packed query rows per cube (query heads of one K/V head × new tokens).
+    pub rows: usize,
+    /// Keys staged per step.
+    pub block_kv: usize,
+    /// Units per cube; at least `rows`.
+    pub units: usize,
+    pub dim_qk: usize,
+    pub dim_v: usize,
+    /// Columns the head-dim loops run per iteration ([`crate::tile`]).
+    pub columns: usize,
+    pub masked: bool,
+    pub softcap: bool,
+    /// The cache is paged (a block table names the pages).
+    pub paged: bool,
+    /// The key range is split over cubes: partial outputs in f32 and their LSE, merged after.
+    pub split: bool,
+}
+
+impl DecodeConfig {
+    /// Row stride of the staged keys: one more than the head dim, so that the units reading
+    /// the keys of one block column by column fall in different shared-memory banks.
+    pub fn key_stride(&self) -> usize {
+        self.dim_qk + 1
+    }
+
+    /// Outputs (row, column) each unit accumulates.
+    pub fn outputs_per_unit(&self) -> usize {
+        (self.rows * self.dim_v).div_ceil(self.units)
+    }
+
+    /// Shared memory of one cube, in bytes.
+    pub fn shared_bytes(&self) -> usize {
+        let floats = self.rows * self.dim_qk
+            + self.block_kv * self.key_stride()
+            + self.block_kv * self.dim_v
+            + self.rows * self.block_kv
+            + 2 * self.rows;
+        floats * 4
+    }
+}
+
+/// `O` (or, split, the partial outputs) and the LSE of `q` `[b, h_q, s_q, d_qk]` against
+/// the cache `k`/`v` (`[blocks, h_kv, rows, d]`, see [`super::cache`]) over the first
+/// `cache_seqlens[b] + appended` positions of each sequence, masks bottom-right aligned.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_decode<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    seqlens: &Tensor<i32>,
+    table: &Tensor<i32>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    partial_out: &mut Tensor<f32>,
+    partial_lse: &mut Tensor<f32>,
+    appended: u32,
+    page_size: u32,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    neg_inf: f32,
+    #[comptime] config: DecodeConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let rows = config.rows;
+    let block_kv = config.block_kv;
+    let units = config.units;
+    let dim_qk = config.dim_qk;
+    let dim_v = config.dim_v;
+    let key_stride = comptime!(config.key_stride());
+    let page_size = page_size as usize;
+
+    // Which sequence, K/V head and packed rows this cube takes.
+    let heads_q = q.shape(1);
+    let seq_q = q.shape(2);
+    let heads_kv = k.shape(1);
+    let group = heads_q / heads_kv;
+    let packed = group * seq_q;
+    let row_blocks = packed.div_ceil(rows);
+    let cube = CUBE_POS_Y as usize;
+    let first_row = (cube % row_blocks) * rows;
+    let head_kv = (cube / row_blocks) % heads_kv;
+    let batch = cube / row_blocks / heads_kv;
+
+    // The keys the sequence's queries see, then this split's share of them.
+    let seq_kv = usize::cast_from(seqlens[batch * seqlens.stride(0)]) + appended as usize;
+    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+    let mut key_first = 0i32;
+    let mut key_last = i32::cast_from(seq_kv);
+    if config.masked {
+        key_first = mask.key_begin(0i32);
+        key_last = mask.key_end(i32::cast_from(seq_q));
+    }
+    let splits = CUBE_COUNT_X as i32;
+    let span = max(key_last - key_first, 0);
+    let block = i32::cast_from(block_kv);
+    let share = ((span + splits - 1) / splits + block - 1) / block * block;
+    let begin = min(key_first + CUBE_POS_X as i32 * share, key_last);
+    let end = min(begin + share, key_last);
+    let blocks = Blocks::covering(begin, end, block_kv);
+    let end_u = usize::cast_from(end);
+
+    let mut q_tile = Shared::<[f32]>::new_slice(rows * dim_qk);
+    let mut k_tile = Shared::<[f32]>::new_slice(block_kv * key_stride);
+    let mut v_tile = Shared::<[f32]>::new_slice(block_kv * dim_v);
+    let mut p_tile = Shared::<[f32]>::new_slice(rows * block_kv);
+    let mut row_factor = Shared::<[f32]>::new_slice(rows);
+    let mut row_lse = Shared::<[f32]>::new_slice(rows);
+
+    // The packed query rows: row r is query `(first_row + r) % s_q` of query head
+    // `head_kv · group + (first_row + r) / s_q`; rows past the group read as 0.
+    for step in 0..(rows * dim_qk).div_ceil(units) {
+        let idx = step * units + UNIT_POS as usize;
+        if idx < rows * dim_qk {
+            let r = first_row + idx / dim_qk;
+            let c = idx % dim_qk;
+            let mut value = 0.0f32;
+            if r < packed {
+                let head_q = head_kv * group + r / seq_q;
+                value = f32::cast_from(
+                    q[batch * q.stride(0)
+                        + head_q * q.stride(1)
+                        + (r % seq_q) * q.stride(2)
+                        + c * q.stride(3)],
+                );
+            }
+            q_tile[idx] = value;
+        }
+    }
+
+    let outputs = comptime!(config.outputs_per_unit());
+    let mut acc = Array::<f32>::new(outputs);
+    #[unroll]
+    for t in 0..outputs {
+        acc[t] = 0.0;
+    }
+    // Unit r < rows keeps row r's softmax state.
+    let mut state = RunningState::init();
+    let own_row = UNIT_POS as usize;
+
+    for b in 0..blocks.count {
+        let k0 = blocks.start(b, block_kv);
+        let k0_u = usize::cast_from(k0);
+        sync_cube();
+        stage_cache_rows(
+            k,
+            table,
+            batch,
+            head_kv,
+            k0_u,
+            end_u,
+            page_size,
+            &mut k_tile,
+            block_kv,
+            dim_qk,
+            key_stride,
+            units,
+            config.paged,
+        );
+        stage_cache_rows(
+            v,
+            table,
+            batch,
+            head_kv,
+            k0_u,
+            end_u,
+            page_size,
+            &mut v_tile,
+            block_kv,
+            dim_v,
+            dim_v,
+            units,
+            config.paged,
+        );
+        sync_cube();
+
+        // S = Q·Kᵀ · scale (softcapped); hidden keys and rows past the group are MASKED.
+        for step in 0..(rows * block_kv).div_ceil(units) {
+            let idx = step * units + UNIT_POS as usize;
+            if idx < rows * block_kv {
+                let r = idx / block_kv;
+                let j = idx % block_kv;
+                let dot = dot_shared(
+                    &q_tile,
+                    r * dim_qk,
+                    &k_tile,
+                    j * key_stride,
+                    q.shape(3),
+                    dim_qk,
+                    config.columns,
+                );
+                let key = k0 + i32::cast_from(j);
+                let packed_row = first_row + r;
+                let mut visible = key < end && packed_row < packed;
+                if config.masked {
+                    visible = visible && mask.is_visible(i32::cast_from(packed_row % seq_q), key);
+                }
+                p_tile[idx] = select(
+                    visible,
+                    score(dot, scale, softcap, config.softcap),
+                    f32::new(MASKED),
+                );
+            }
+        }
+        sync_cube();
+
+        // Online softmax, one unit per row: the scores become probabilities in place.
+        if own_row < rows {
+            let row = own_row * block_kv;
+            let mut block_max = f32::new(MASKED);
+            for j in 0..block_kv {
+                block_max = max(block_max, p_tile[row + j]);
+            }
+            let alpha = state.rescale(block_max);
+            let mut block_sum = 0.0f32;
+            for j in 0..block_kv {
+                let p = probability(p_tile[row + j], state.m);
+                p_tile[row + j] = p;
+                block_sum += p;
+            }
+            state.l += block_sum;
+            row_factor[own_row] = alpha;
+        }
+        sync_cube();
+
+        // O ← α·O + P·V, each unit on its (row, column) outputs.
+        #[unroll]
+        for t in 0..outputs {
+            let idx = t * units + UNIT_POS as usize;
+            if idx < rows * dim_v {
+                let r = idx / dim_v;
+                let c = idx % dim_v;
+                let mut o = acc[t] * row_factor[r];
+                for j in 0..block_kv {
+                    o += p_tile[r * block_kv + j] * v_tile[j * dim_v + c];
+                }
+                acc[t] = o;
+            }
+        }
+    }
+
+    // Epilogue: normalize; write O and the LSE, or this split's partial results.
+    if own_row < rows {
+        row_factor[own_row] = state.normalizer();
+        row_lse[own_row] = state.lse(neg_inf);
+    }
+    sync_cube();
+    let split = CUBE_POS_X as usize;
+    #[unroll]
+    for t in 0..outputs {
+        let idx = t * units + UNIT_POS as usize;
+        let r = idx / dim_v;
+        let packed_row = first_row + r;
+        if idx < rows * dim_v && packed_row < packed {
+            let c = idx % dim_v;
+            let head_q = head_kv * group + packed_row / seq_q;
+            let i = packed_row % seq_q;
+            let o = acc[t] * row_factor[r];
+            if config.split {
+                let row = (batch * heads_q + head_q) * seq_q + i;
+                let at = (split * partial_lse.stride(0) + row) * dim_v + c;
+                partial_out[at] = o;
+            } else {
+                let at = batch * out.stride(0)
+                    + head_q * out.stride(1)
+                    + i * out.stride(2)
+                    + c * out.stride(3);
+                out[at] = F::cast_from(o);
+            }
+        }
+    }
+    let packed_row = first_row + own_row;
+    if own_row < rows && packed_row < packed {
+        let head_q = head_kv * group + packed_row / seq_q;
+        let i = packed_row % seq_q;
+        if config.split {
+            let row = (batch * heads_q + head_q) * seq_q + i;
+            let at = split * partial_lse.stride(0) + row;
+            partial_lse[at] = row_lse[own_row];
+        } else {
+            let at = batch * lse.stride(0) + head_q * lse.stride(1) + i * lse.stride(2);
+            lse[at] = row_lse[own_row];
+        }
+    }
+}

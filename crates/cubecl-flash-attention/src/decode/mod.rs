@@ -1,0 +1,522 @@
+//! Serving: attention of a few new queries against a key/value cache, contiguous or paged,
+//! with the new keys and values written into the cache in place (FlashAttention's
+//! `flash_attn_with_kvcache`).
+//!
+//! - [`decode`]: appends `k_new`/`v_new` at each sequence's length, then runs the decode
+//!   kernel ([`kernel`]) over `cache[.. cache_seqlens[b] + s_new]`, the key range split over
+//!   cubes ([`split`]) and merged by LSE ([`merge`]);
+//! - [`cache`]: where a position of a contiguous or paged cache lives.
+//!
+//! Causal and window masks are bottom-right aligned as everywhere: the last new query sees
+//! the sequence's last key.
+
+pub mod append;
+pub mod cache;
+pub mod kernel;
+pub mod merge;
+pub mod split;
+
+use cubecl::prelude::*;
+
+use crate::config::{DeviceLimits, portable_columns};
+use crate::error::FlashError;
+use crate::launch::{DeviceTensor, check_dtype, softcap_arg};
+use crate::loop_budget;
+use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
+
+pub use kernel::DecodeConfig;
+pub use split::{SplitInputs, choose_splits};
+
+/// A key/value cache.
+#[derive(Clone, Copy, Debug)]
+pub struct KvCache<'a> {
+    /// Keys: contiguous `[batch, heads_kv, capacity, d_qk]` (any strides), or with a block
+    /// table pages `[pages, page_size, heads_kv, d_qk]`.
+    pub k: &'a DeviceTensor,
+    /// Values, as the keys with `d_v`.
+    pub v: &'a DeviceTensor,
+    /// `None` for a contiguous cache; for a paged one the page of each `page_size` positions
+    /// of each sequence, `[batch, max_pages]` i32. Entries past a sequence's pages are not
+    /// read.
+    pub block_table: Option<&'a DeviceTensor>,
+}
+
+/// The inputs of a decode step.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeInputs<'a> {
+    /// New queries `[batch, heads_q, s_q, d_qk]`, any strides.
+    pub q: &'a DeviceTensor,
+    pub cache: KvCache<'a>,
+    /// Positions already in the cache per sequence, `[batch]` i32.
+    pub cache_seqlens: &'a DeviceTensor,
+    /// Keys `[batch, heads_kv, s_new, d_qk]` and values `[batch, heads_kv, s_new, d_v]` to
+    /// write at positions `cache_seqlens[b] ..` before attending (they are then attended).
+    pub new: Option<(&'a DeviceTensor, &'a DeviceTensor)>,
+}
+
+/// How the key range is split over cubes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Splits {
+    /// [`choose_splits`] decides from the device and the lengths.
+    #[default]
+    Auto,
+    /// This many splits (1: no split, no merge).
+    Exactly(usize),
+}
+
+/// `O` `[batch, heads_q, s_q, d_v]` in the input dtype, the LSE `[batch, heads_q, s_q]` (f32),
+/// and the split count that ran.
+#[derive(Clone, Debug)]
+pub struct DecodeOutput {
+    pub out: DeviceTensor,
+    pub lse: DeviceTensor,
+    pub splits: usize,
+}
+
+/// The cache's sizes, checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheGeometry {
+    pub batch: usize,
+    pub heads_kv: usize,
+    /// Positions a sequence may hold: the cache's length, or `max_pages · page_size`.
+    pub capacity: usize,
+    /// `Some(page_size)` for a paged cache.
+    pub page_size: Option<usize>,
+    /// Sequences (contiguous) or pages (paged) in the cache.
+    pub blocks: usize,
+    pub dim_qk: usize,
+    pub dim_v: usize,
+}
+
+fn shape_error(arg: &'static str, t: &DeviceTensor, expected: String) -> FlashError {
+    FlashError::Shape {
+        arg,
+        shape: t.shape.clone(),
+        expected,
+    }
+}
+
+fn rank(arg: &'static str, t: &DeviceTensor, dims: usize, layout: &str) -> Result<(), FlashError> {
+    match t.shape.len() == dims {
+        true => Ok(()),
+        false => Err(shape_error(
+            arg,
+            t,
+            format!("expected rank {dims}, {layout}"),
+        )),
+    }
+}
+
+impl CacheGeometry {
+    /// Checks the cache's tensors against each other and against `batch` sequences.
+    pub fn new(cache: &KvCache, batch: usize) -> Result<Self, FlashError> {
+        let (k, v) = (cache.k, cache.v);
+        let layout = match cache.block_table {
+            None => "[batch, heads_kv, capacity, dim]",
+            Some(_) => "[pages, page_size, heads_kv, dim]",
+        };
+        rank("k_cache", k, 4, layout)?;
+        rank("v_cache", v, 4, layout)?;
+        let [blocks, a, b, dim_qk] = k.shape[..] else {
+            unreachable!()
+        };
+        if v.shape[..3] != k.shape[..3] {
+            return Err(shape_error(
+                "v_cache",
+                v,
+                format!(
+                    "expected {:?} followed by d_v (the sizes of `k_cache`)",
+                    &k.shape[..3]
+                ),
+            ));
+        }
+        let dim_v = v.shape[3];
+        let geometry = match cache.block_table {
+            None => {
+                if blocks != batch {
+                    return Err(shape_error(
+                        "k_cache",
+                        k,
+                        format!(
+                            "expected [{batch}, heads_kv, capacity, dim] (one sequence per query batch entry)"
+                        ),
+                    ));
+                }
+                Self {
+                    batch,
+                    heads_kv: a,
+                    capacity: b,
+                    page_size: None,
+                    blocks,
+                    dim_qk,
+                    dim_v,
+                }
+            }
+            Some(table) => {
+                rank("block_table", table, 2, "[batch, max_pages]")?;
+                if table.shape[0] != batch {
+                    return Err(shape_error(
+                        "block_table",
+                        table,
+                        format!("expected [{batch}, max_pages] (one row per sequence)"),
+                    ));
+                }
+                if a == 0 {
+                    return Err(shape_error(
+                        "k_cache",
+                        k,
+                        "pages must hold at least one position".into(),
+                    ));
+                }
+                Self {
+                    batch,
+                    heads_kv: b,
+                    capacity: table.shape[1] * a,
+                    page_size: Some(a),
+                    blocks,
+                    dim_qk,
+                    dim_v,
+                }
+            }
+        };
+        Ok(geometry)
+    }
+
+    /// `t` as the kernels read it, `[blocks, heads_kv, rows, d]`.
+    fn kernel_view(&self, t: &DeviceTensor) -> DeviceTensor {
+        let mut view = t.clone();
+        if self.page_size.is_some() {
+            view.shape.swap(1, 2);
+            view.strides.swap(1, 2);
+        }
+        view
+    }
+}
+
+/// Reads an i32 tensor back.
+fn read_i32(client: &Client, t: &DeviceTensor) -> Vec<i32> {
+    let bytes = client
+        .read_one(t.handle.clone())
+        .expect("reading an index tensor back");
+    let values: Vec<i32> = bytes
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let count: usize = t.shape.iter().product();
+    (0..count)
+        .map(|n| {
+            let mut offset = 0;
+            let mut rest = n;
+            for d in (0..t.shape.len()).rev() {
+                offset += (rest % t.shape[d]) * t.strides[d];
+                rest /= t.shape[d];
+            }
+            values[offset]
+        })
+        .collect()
+}
+
+/// Checks the lengths (and pages) every sequence will use: `cache_seqlens[b] + s_new` fits
+/// the capacity, every page a sequence uses exists. Returns the longest sequence after the
+/// append.
+fn check_lengths(
+    client: &Client,
+    inputs: &DecodeInputs,
+    geometry: &CacheGeometry,
+    s_new: usize,
+) -> Result<usize, FlashError> {
+    let t = inputs.cache_seqlens;
+    if t.shape != [geometry.batch] {
+        return Err(shape_error(
+            "cache_seqlens",
+            t,
+            format!("expected [{}] (one length per sequence)", geometry.batch),
+        ));
+    }
+    let lengths = read_i32(client, t);
+    let mut longest = 0;
+    for (b, &len) in lengths.iter().enumerate() {
+        let total = len as i64 + s_new as i64;
+        if len < 0 || total > geometry.capacity as i64 {
+            return Err(FlashError::Option {
+                arg: "cache_seqlens",
+                expected: format!(
+                    "sequence {b} holds {len} positions and appends {s_new}: lengths must be \
+                     at least 0 and with the new keys at most the cache's capacity of {}",
+                    geometry.capacity
+                ),
+            });
+        }
+        longest = longest.max(total as usize);
+    }
+    if let (Some(table), Some(page_size)) = (inputs.cache.block_table, geometry.page_size) {
+        let entries = read_i32(client, table);
+        let max_pages = table.shape[1];
+        for (b, &len) in lengths.iter().enumerate() {
+            let used = (len as usize + s_new).div_ceil(page_size);
+            for (p, &page) in entries[b * max_pages..][..used].iter().enumerate() {
+                if page < 0 || page as usize >= geometry.blocks {
+                    return Err(FlashError::Option {
+                        arg: "block_table",
+                        expected: format!(
+                            "sequence {b} uses its page {p}, whose entry is {page}: entries \
+                             must name one of the cache's {} pages",
+                            geometry.blocks
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    Ok(longest)
+}
+
+/// Checks the new keys and values against the query and the cache; returns `s_new`.
+fn check_new(inputs: &DecodeInputs, geometry: &CacheGeometry) -> Result<usize, FlashError> {
+    let Some((k, v)) = inputs.new else {
+        return Ok(0);
+    };
+    rank("k", k, 4, "[batch, heads_kv, s_new, d_qk]")?;
+    let s_new = k.shape[2];
+    let (b, h) = (geometry.batch, geometry.heads_kv);
+    for (arg, t, expected) in [
+        ("k", k, [b, h, s_new, geometry.dim_qk]),
+        ("v", v, [b, h, s_new, geometry.dim_v]),
+    ] {
+        if t.shape != expected {
+            return Err(shape_error(
+                arg,
+                t,
+                format!("expected {expected:?} (batch, heads and head dim of the cache)"),
+            ));
+        }
+    }
+    Ok(s_new)
+}
+
+/// The decode kernel's tiles for `problem` on this device.
+pub fn decode_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+    paged: bool,
+    split: bool,
+) -> Result<DecodeConfig, FlashError> {
+    const UNITS: usize = 128;
+    const MAX_ROWS: usize = 32;
+    const SHARED_BYTES: usize = 48 * 1024;
+    let units = UNITS.min(limits.max_units_per_cube).max(1);
+    let packed = problem.group_size() * problem.seq_q;
+    let rows = packed.next_power_of_two().min(MAX_ROWS).min(units);
+    let budget = SHARED_BYTES.min(limits.max_shared_memory);
+    [64, 32, 16, 8]
+        .into_iter()
+        .map(|block_kv| DecodeConfig {
+            rows,
+            block_kv,
+            units,
+            dim_qk: problem.dim_qk,
+            dim_v: problem.dim_v,
+            columns: portable_columns(problem.dim_qk.max(problem.dim_v), limits),
+            masked: problem.options.mask.is_masked(),
+            softcap: problem.options.softcap.is_some(),
+            paged,
+            split,
+        })
+        .find(|config| config.shared_bytes() <= budget)
+        .ok_or_else(|| {
+            FlashError::InvalidConfig(format!(
+                "head dims {}/{} with {rows} packed query rows need more than the {budget} bytes \
+                 of shared memory this device offers a cube",
+                problem.dim_qk, problem.dim_v
+            ))
+        })
+}
+
+/// Writes `inputs.new` into the cache, then attends the new queries to each sequence's
+/// `cache_seqlens[b] + s_new` first positions. The cache is written in place; the lengths are
+/// not updated (the caller's `cache_seqlens` still counts the positions before the append).
+///
+/// Bad input — shapes that disagree, an append past the capacity, a negative length, a
+/// block-table entry naming no page — is refused before anything is written (the lengths
+/// and the block table are read back to be checked).
+pub fn decode(
+    client: &Client,
+    inputs: DecodeInputs,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    splits: Splits,
+) -> Result<DecodeOutput, FlashError> {
+    let q = inputs.q;
+    rank("query", q, 4, "[batch, heads_q, s_q, d_qk]")?;
+    let geometry = CacheGeometry::new(&inputs.cache, q.shape[0])?;
+    let problem = AttentionProblem::new(
+        &q.shape,
+        &[
+            geometry.batch,
+            geometry.heads_kv,
+            geometry.capacity,
+            geometry.dim_qk,
+        ],
+        &[
+            geometry.batch,
+            geometry.heads_kv,
+            geometry.capacity,
+            geometry.dim_v,
+        ],
+        dtype,
+        options,
+    )?;
+    check_dtype(client, dtype)?;
+    let s_new = check_new(&inputs, &geometry)?;
+    let longest = check_lengths(client, &inputs, &geometry, s_new)?;
+
+    let limits = DeviceLimits::from_properties(client.properties());
+    let paged = geometry.page_size.is_some();
+    let page_size = geometry.page_size.unwrap_or(1) as u32;
+    let dummy_table;
+    let table = match inputs.cache.block_table {
+        Some(table) => table,
+        None => {
+            dummy_table = DeviceTensor::from_bytes(client, &[1, 1], &0i32.to_le_bytes());
+            &dummy_table
+        }
+    };
+    let (k, v) = (
+        geometry.kernel_view(inputs.cache.k),
+        geometry.kernel_view(inputs.cache.v),
+    );
+
+    if let Some((k_new, v_new)) = inputs.new
+        && s_new > 0
+        && geometry.batch * geometry.heads_kv > 0
+    {
+        let count = CubeCount::Static(
+            s_new.min(u16::MAX as usize) as u32,
+            (geometry.batch * geometry.heads_kv) as u32,
+            1,
+        );
+        for (new, cache) in [(k_new, &k), (v_new, &v)] {
+            unsafe {
+                append::append_to_cache::launch_unchecked(
+                    client,
+                    count.clone(),
+                    CubeDim::new_1d(64),
+                    new.arg(),
+                    cache.arg(),
+                    inputs.cache_seqlens.arg(),
+                    table.arg(),
+                    page_size,
+                    paged,
+                    dtype.elem_type(),
+                );
+            }
+        }
+    }
+
+    let out = DeviceTensor::empty(client, &problem.out_shape(), dtype.size());
+    let lse = DeviceTensor::empty(client, &problem.lse_shape(), 4);
+    if problem.is_empty() {
+        return Ok(DecodeOutput {
+            out,
+            lse,
+            splits: 0,
+        });
+    }
+
+    let unsplit = decode_config(&problem, &limits, paged, false)?;
+    let packed = problem.group_size() * problem.seq_q;
+    let cubes = geometry.batch * geometry.heads_kv * packed.div_ceil(unsplit.rows);
+    let key_blocks = longest.div_ceil(unsplit.block_kv);
+    let splits = match splits {
+        Splits::Exactly(n) if n >= 1 => n,
+        Splits::Exactly(n) => {
+            return Err(FlashError::Option {
+                arg: "splits",
+                expected: format!("at least 1, got {n}"),
+            });
+        }
+        Splits::Auto => choose_splits(SplitInputs {
+            cubes,
+            multiprocessors: limits.multiprocessors,
+            key_blocks,
+            max_blocks_per_split: loop_budget::decode_max_blocks(&unsplit, &limits),
+        }),
+    };
+    let config = DecodeConfig {
+        split: splits > 1,
+        ..unsplit
+    };
+    loop_budget::check(
+        "decode",
+        loop_budget::decode_iterations(&config, key_blocks.div_ceil(splits)),
+        &problem,
+        &limits,
+    )?;
+    if cubes > u16::MAX as usize || splits > u16::MAX as usize {
+        return Err(FlashError::Shape {
+            arg: "query",
+            shape: q.shape.clone(),
+            expected: format!(
+                "batch · heads_kv · query blocks ({cubes}) and splits ({splits}) must be at most {}",
+                u16::MAX
+            ),
+        });
+    }
+    let rows = problem.batch * problem.heads_q * problem.seq_q;
+    let (partial_out, partial_lse) = match config.split {
+        true => (
+            DeviceTensor::empty(client, &[splits, rows, problem.dim_v], 4),
+            DeviceTensor::empty(client, &[splits, rows], 4),
+        ),
+        false => (
+            DeviceTensor::empty(client, &[1], 4),
+            DeviceTensor::empty(client, &[1, 1], 4),
+        ),
+    };
+    let mask = problem
+        .options
+        .mask
+        .kernel_window(problem.seq_q, geometry.capacity);
+    unsafe {
+        kernel::flash_decode::launch_unchecked(
+            client,
+            CubeCount::Static(splits as u32, cubes as u32, 1),
+            CubeDim::new_1d(config.units as u32),
+            q.arg(),
+            k.arg(),
+            v.arg(),
+            inputs.cache_seqlens.arg(),
+            table.arg(),
+            out.arg(),
+            lse.arg(),
+            partial_out.arg(),
+            partial_lse.arg(),
+            s_new as u32,
+            page_size,
+            problem.scale(),
+            softcap_arg(&problem),
+            mask.0,
+            mask.1,
+            f32::NEG_INFINITY,
+            config,
+            dtype.elem_type(),
+        );
+    }
+    if config.split {
+        let x = rows.min(u16::MAX as usize);
+        unsafe {
+            merge::merge_by_lse::launch_unchecked(
+                client,
+                CubeCount::Static(x as u32, rows.div_ceil(x) as u32, 1),
+                CubeDim::new_1d(64),
+                partial_out.arg(),
+                partial_lse.arg(),
+                out.arg(),
+                lse.arg(),
+                f32::NEG_INFINITY,
+                dtype.elem_type(),
+            );
+        }
+    }
+    Ok(DecodeOutput { out, lse, splits })
+}

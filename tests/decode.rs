@@ -1,0 +1,600 @@
+//! Serving kernels (KV-cache decode: contiguous and paged caches, appends in place, split
+//! key ranges) against the f64 oracle, on the device `FLASH_DEVICE` selects.
+
+use burn_flash_attention::kernels::{
+    AttentionOptions, DeviceLimits, DeviceTensor, FlashError, FloatDtype, MaskSpec,
+    decode::{DecodeInputs, DecodeOutput, KvCache, Splits, decode},
+    reference::{self, Dims},
+};
+use cubecl::client::Client;
+use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
+
+use crate::common::{self, Case, assert_close, download, naive, upload};
+
+/// A decode problem: `s_q` new queries per sequence against a cache of `capacity` positions.
+#[derive(Clone, Copy, Debug)]
+struct Serving {
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    s_q: usize,
+    capacity: usize,
+    dim_qk: usize,
+    dim_v: usize,
+    /// `Some(page_size)`: a paged cache.
+    page_size: Option<usize>,
+    /// Append `s_q` new keys and values before attending.
+    append: bool,
+    causal: bool,
+    window: (Option<usize>, Option<usize>),
+    softcap: Option<f64>,
+}
+
+impl Serving {
+    fn s_new(&self) -> usize {
+        if self.append { self.s_q } else { 0 }
+    }
+
+    fn options(&self) -> AttentionOptions {
+        AttentionOptions {
+            mask: self.mask(),
+            softcap: self.softcap.map(|c| c as f32),
+            ..Default::default()
+        }
+    }
+
+    fn mask(&self) -> MaskSpec {
+        MaskSpec {
+            causal: self.causal,
+            window_left: self.window.0,
+            window_right: self.window.1,
+        }
+    }
+
+    fn max_pages(&self) -> usize {
+        self.page_size.map_or(0, |p| self.capacity.div_ceil(p))
+    }
+}
+
+/// The cache's logical content, `[batch, heads_kv, capacity, d]`: NaN past each sequence's
+/// length, so that a kernel reading past it shows.
+#[derive(Clone, Debug, PartialEq)]
+struct Contents {
+    k: Vec<f64>,
+    v: Vec<f64>,
+}
+
+/// Everything a decode call reads.
+struct Data {
+    q: Vec<f64>,
+    lengths: Vec<usize>,
+    contents: Contents,
+    new_k: Vec<f64>,
+    new_v: Vec<f64>,
+    /// Page of each `page_size` positions of each sequence (`-1` where unused).
+    table: Vec<i32>,
+    pages: usize,
+}
+
+fn data(s: &Serving, dtype: FloatDtype, lengths: Vec<usize>, rng: &mut StdRng) -> Data {
+    let (b, hq, hkv, cap) = (s.batch, s.heads_q, s.heads_kv, s.capacity);
+    // Drawn in an order that does not depend on the page size (the page shuffle last).
+    let q = common::randn(rng, b * hq * s.s_q * s.dim_qk, dtype);
+    let new_k = common::randn(rng, b * hkv * s.s_new() * s.dim_qk, dtype);
+    let new_v = common::randn(rng, b * hkv * s.s_new() * s.dim_v, dtype);
+    let mut contents = Contents {
+        k: vec![f64::NAN; b * hkv * cap * s.dim_qk],
+        v: vec![f64::NAN; b * hkv * cap * s.dim_v],
+    };
+    for (cache, dim) in [(&mut contents.k, s.dim_qk), (&mut contents.v, s.dim_v)] {
+        for (n, x) in cache.iter_mut().enumerate() {
+            if (n / dim) % cap < lengths[n / (dim * cap * hkv)] {
+                *x = common::round(rng.sample(rand_distr::StandardNormal), dtype);
+            }
+        }
+    }
+    // Pages of all sequences drawn from a shuffled pool with spares; unused entries -1.
+    let max_pages = s.max_pages();
+    let pages = b * max_pages + 3;
+    let mut pool: Vec<i32> = (0..pages as i32).collect();
+    pool.shuffle(rng);
+    let mut table = vec![-1; b * max_pages];
+    if let Some(page_size) = s.page_size {
+        for seq in 0..b {
+            let used = (lengths[seq] + s.s_new()).div_ceil(page_size);
+            for p in 0..used {
+                table[seq * max_pages + p] = pool[seq * max_pages + p];
+            }
+        }
+    }
+    Data {
+        q,
+        new_k,
+        new_v,
+        lengths,
+        contents,
+        table,
+        pages,
+    }
+}
+
+/// The cache on the device: contiguous `[b, h_kv, capacity, d]` or pages `[pages,
+/// page_size, h_kv, d]` (spare pages NaN).
+fn upload_cache(
+    client: &Client,
+    s: &Serving,
+    d: &Data,
+    dtype: FloatDtype,
+) -> (DeviceTensor, DeviceTensor, Option<DeviceTensor>) {
+    let (b, hkv, cap) = (s.batch, s.heads_kv, s.capacity);
+    let Some(page_size) = s.page_size else {
+        return (
+            upload(client, &d.contents.k, &[b, hkv, cap, s.dim_qk], dtype),
+            upload(client, &d.contents.v, &[b, hkv, cap, s.dim_v], dtype),
+            None,
+        );
+    };
+    let max_pages = s.max_pages();
+    let paged = |logical: &[f64], dim: usize| {
+        let mut pages = vec![f64::NAN; d.pages * page_size * hkv * dim];
+        for seq in 0..b {
+            for (p, &page) in d.table[seq * max_pages..][..max_pages].iter().enumerate() {
+                if page < 0 || page as usize >= d.pages {
+                    continue;
+                }
+                for row in 0..page_size {
+                    let pos = p * page_size + row;
+                    for h in 0..hkv {
+                        if pos >= cap {
+                            continue;
+                        }
+                        let from = ((seq * hkv + h) * cap + pos) * dim;
+                        let to = ((page as usize * page_size + row) * hkv + h) * dim;
+                        pages[to..to + dim].copy_from_slice(&logical[from..from + dim]);
+                    }
+                }
+            }
+        }
+        upload(client, &pages, &[d.pages, page_size, hkv, dim], dtype)
+    };
+    let table = DeviceTensor::from_bytes(
+        client,
+        &[b, max_pages],
+        &d.table
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect::<Vec<_>>(),
+    );
+    (
+        paged(&d.contents.k, s.dim_qk),
+        paged(&d.contents.v, s.dim_v),
+        Some(table),
+    )
+}
+
+/// The cache's logical content, read back.
+fn download_cache(
+    client: &Client,
+    s: &Serving,
+    d: &Data,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    dtype: FloatDtype,
+) -> Contents {
+    let (b, hkv, cap) = (s.batch, s.heads_kv, s.capacity);
+    let (k, v) = (download(client, k, dtype), download(client, v, dtype));
+    let Some(page_size) = s.page_size else {
+        return Contents { k, v };
+    };
+    let max_pages = s.max_pages();
+    let logical = |pages: &[f64], dim: usize| {
+        let mut out = vec![f64::NAN; b * hkv * cap * dim];
+        for seq in 0..b {
+            for h in 0..hkv {
+                for pos in 0..cap {
+                    let page = d.table[seq * max_pages + pos / page_size];
+                    if page < 0 || page as usize >= d.pages {
+                        continue;
+                    }
+                    let from = ((page as usize * page_size + pos % page_size) * hkv + h) * dim;
+                    let to = ((seq * hkv + h) * cap + pos) * dim;
+                    out[to..to + dim].copy_from_slice(&pages[from..from + dim]);
+                }
+            }
+        }
+        out
+    };
+    Contents {
+        k: logical(&k, s.dim_qk),
+        v: logical(&v, s.dim_v),
+    }
+}
+
+fn lengths_upload(client: &Client, lengths: &[usize]) -> DeviceTensor {
+    let bytes: Vec<u8> = lengths
+        .iter()
+        .flat_map(|&l| (l as i32).to_le_bytes())
+        .collect();
+    DeviceTensor::from_bytes(client, &[lengths.len()], &bytes)
+}
+
+/// Runs one decode call; returns its output and the cache read back.
+fn run(
+    client: &Client,
+    s: &Serving,
+    d: &Data,
+    dtype: FloatDtype,
+    splits: Splits,
+) -> (Result<DecodeOutput, FlashError>, Contents) {
+    let q = upload(client, &d.q, &[s.batch, s.heads_q, s.s_q, s.dim_qk], dtype);
+    let (k, v, table) = upload_cache(client, s, d, dtype);
+    let new_k = upload(
+        client,
+        &d.new_k,
+        &[s.batch, s.heads_kv, s.s_new(), s.dim_qk],
+        dtype,
+    );
+    let new_v = upload(
+        client,
+        &d.new_v,
+        &[s.batch, s.heads_kv, s.s_new(), s.dim_v],
+        dtype,
+    );
+    let seqlens = lengths_upload(client, &d.lengths);
+    let inputs = DecodeInputs {
+        q: &q,
+        cache: KvCache {
+            k: &k,
+            v: &v,
+            block_table: table.as_ref(),
+        },
+        cache_seqlens: &seqlens,
+        new: s.append.then_some((&new_k, &new_v)),
+    };
+    let result = decode(client, inputs, dtype, s.options(), splits);
+    let contents = download_cache(client, s, d, &k, &v, dtype);
+    (result, contents)
+}
+
+/// The cache content after the append.
+fn appended(s: &Serving, d: &Data) -> Contents {
+    let mut c = d.contents.clone();
+    let (hkv, cap, n) = (s.heads_kv, s.capacity, s.s_new());
+    for (cache, new, dim) in [
+        (&mut c.k, &d.new_k, s.dim_qk),
+        (&mut c.v, &d.new_v, s.dim_v),
+    ] {
+        for seq in 0..s.batch {
+            for h in 0..hkv {
+                for i in 0..n {
+                    let to = ((seq * hkv + h) * cap + d.lengths[seq] + i) * dim;
+                    let from = ((seq * hkv + h) * n + i) * dim;
+                    cache[to..to + dim].copy_from_slice(&new[from..from + dim]);
+                }
+            }
+        }
+    }
+    c
+}
+
+/// Equal, NaN equal to NaN.
+fn same(a: &[f64], b: &[f64]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x == y || (x.is_nan() && y.is_nan()))
+}
+
+/// Checks one decode call against the oracle, sequence by sequence, and the cache against
+/// the expected append.
+fn check(client: &Client, s: &Serving, dtype: FloatDtype, lengths: Vec<usize>, splits: Splits) {
+    let (seed, mut rng) = common::rng();
+    let d = data(s, dtype, lengths, &mut rng);
+    let context = format!(
+        "{s:?} {dtype:?} {splits:?} lengths {:?}, seed {seed}",
+        d.lengths
+    );
+    let (result, contents) = run(client, s, &d, dtype, splits);
+    let result = result.unwrap_or_else(|e| panic!("decode: {e} — {context}"));
+    let after = appended(s, &d);
+    assert!(
+        same(&contents.k, &after.k) && same(&contents.v, &after.v),
+        "the cache after the call is not the cache with the new keys appended — {context}"
+    );
+    let out = download(client, &result.out, dtype);
+    let lse = download(client, &result.lse, FloatDtype::F32);
+
+    let (hq, hkv, cap) = (s.heads_q, s.heads_kv, s.capacity);
+    for seq in 0..s.batch {
+        let seq_kv = d.lengths[seq] + s.s_new();
+        let dims = Dims {
+            batch: 1,
+            heads_q: hq,
+            heads_kv: hkv,
+            seq_q: s.s_q,
+            seq_kv,
+            dim_qk: s.dim_qk,
+            dim_v: s.dim_v,
+        };
+        let gather = |cache: &[f64], dim: usize| -> Vec<f64> {
+            (0..hkv)
+                .flat_map(|h| cache[(seq * hkv + h) * cap * dim..][..seq_kv * dim].to_vec())
+                .collect()
+        };
+        let q = &d.q[seq * dims.q_len()..][..dims.q_len()];
+        let (k, v) = (gather(&after.k, s.dim_qk), gather(&after.v, s.dim_v));
+        let case = Case {
+            causal: s.causal,
+            window: s.window,
+            softcap: s.softcap,
+            ..common::case(dims)
+        };
+        let want = reference::forward(&dims, &case.reference_options(), q, &k, &v);
+        let low = naive::attention(&case, dtype, q, &k, &v, &vec![0.0; dims.o_len()]);
+        let got_out = &out[seq * dims.o_len()..][..dims.o_len()];
+        let got_lse = &lse[seq * dims.lse_len()..][..dims.lse_len()];
+        let context = format!("sequence {seq} — {context}");
+        assert_close("O", got_out, &want.out, &low.out, 2e-5, &context);
+        assert_close("LSE", got_lse, &want.lse, &low.lse, 2e-5, &context);
+        for (row, &l) in want.lse.iter().enumerate() {
+            if l == f64::NEG_INFINITY {
+                assert_eq!(
+                    got_lse[row],
+                    f64::NEG_INFINITY,
+                    "LSE of row {row} — {context}"
+                );
+                let o = &got_out[row * s.dim_v..][..s.dim_v];
+                assert!(
+                    o.iter().all(|&x| x == 0.0),
+                    "O of row {row}: {o:?} — {context}"
+                );
+            }
+        }
+    }
+    eprintln!(
+        "decode {s:?} {dtype:?} {splits:?} (ran {} splits): ok",
+        result.splits
+    );
+}
+
+/// Lengths that include an empty sequence, a single position and a full cache.
+fn edge_lengths(s: &Serving, rng: &mut StdRng) -> Vec<usize> {
+    let most = s.capacity - s.s_new();
+    (0..s.batch)
+        .map(|b| match b {
+            0 => most,
+            1 => 0,
+            2 => 1,
+            _ => rng.random_range(0..=most),
+        })
+        .collect()
+}
+
+const fn serving(
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    s_q: usize,
+    capacity: usize,
+    dim: usize,
+) -> Serving {
+    Serving {
+        batch,
+        heads_q,
+        heads_kv,
+        s_q,
+        capacity,
+        dim_qk: dim,
+        dim_v: dim,
+        page_size: None,
+        append: true,
+        causal: false,
+        window: (None, None),
+        softcap: None,
+    }
+}
+
+#[test]
+fn decode_matches_the_oracle() {
+    let client = common::client();
+    let (_, mut rng) = common::rng();
+    let problems = [
+        // GQA 4:2, one new token, contiguous.
+        serving(4, 4, 2, 1, 70, 64),
+        // Several new tokens, causal (bottom-right), softcap, paged by 3, d_v ≠ d_qk.
+        Serving {
+            dim_v: 24,
+            page_size: Some(3),
+            causal: true,
+            softcap: Some(5.0),
+            ..serving(3, 3, 3, 5, 40, 40)
+        },
+        // MQA 8:1 without an append, sliding window, pages of one position, d = 72.
+        Serving {
+            page_size: Some(1),
+            append: false,
+            window: (Some(6), Some(0)),
+            ..serving(3, 8, 1, 3, 33, 72)
+        },
+        // Pages of 16, GQA 6:2, 7 new tokens, causal.
+        Serving {
+            page_size: Some(16),
+            causal: true,
+            ..serving(3, 6, 2, 7, 50, 64)
+        },
+        // One page of 256 positions per sequence.
+        Serving {
+            page_size: Some(256),
+            ..serving(2, 2, 1, 1, 256, 32)
+        },
+    ];
+    for (n, s) in problems.iter().enumerate() {
+        let dtypes = common::dtypes(&client);
+        let dtypes = if n == 0 {
+            dtypes
+        } else {
+            vec![dtypes[dtypes.len() - 1]]
+        };
+        for dtype in dtypes {
+            for splits in [Splits::Auto, Splits::Exactly(1), Splits::Exactly(3)] {
+                let lengths = edge_lengths(s, &mut rng);
+                check(&client, s, dtype, lengths, splits);
+            }
+        }
+    }
+}
+
+#[test]
+fn paged_and_contiguous_caches_give_the_same_bits() {
+    let client = common::client();
+    let (seed, mut rng) = common::rng();
+    let contiguous = Serving {
+        causal: true,
+        ..serving(3, 4, 2, 2, 45, 64)
+    };
+    let dtype = FloatDtype::F32;
+    let lengths = edge_lengths(&contiguous, &mut rng);
+    let mut outputs = Vec::new();
+    for page_size in [None, Some(1), Some(3), Some(16)] {
+        let s = Serving {
+            page_size,
+            ..contiguous
+        };
+        let d = data(&s, dtype, lengths.clone(), &mut StdRng::seed_from_u64(seed));
+        let (result, _) = run(&client, &s, &d, dtype, Splits::Exactly(2));
+        let result = result.unwrap_or_else(|e| panic!("decode: {e} — seed {seed}"));
+        outputs.push((
+            page_size,
+            download(&client, &result.out, dtype),
+            download(&client, &result.lse, FloatDtype::F32),
+        ));
+    }
+    for (page_size, out, lse) in &outputs[1..] {
+        assert!(
+            same(out, &outputs[0].1) && same(lse, &outputs[0].2),
+            "pages of {page_size:?} differ from the contiguous cache — seed {seed}"
+        );
+    }
+}
+
+#[test]
+fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
+    let client = common::client();
+    let (seed, mut rng) = common::rng();
+    let s = Serving {
+        page_size: Some(4),
+        ..serving(2, 4, 2, 2, 16, 32)
+    };
+    let dtype = FloatDtype::F32;
+    let expect_refusal = |d: &Data, arg: &str| {
+        let (result, contents) = run(&client, &s, d, dtype, Splits::Auto);
+        let err = result
+            .err()
+            .unwrap_or_else(|| panic!("{arg}: accepted — seed {seed}"));
+        assert!(
+            err.to_string().contains(&format!("`{arg}`")),
+            "{arg}: {err}"
+        );
+        // The cache as uploaded, seen through the same block table.
+        let (k, v, _) = upload_cache(&client, &s, d, dtype);
+        let before = download_cache(&client, &s, d, &k, &v, dtype);
+        assert!(
+            same(&contents.k, &before.k) && same(&contents.v, &before.v),
+            "{arg}: the cache changed — seed {seed}"
+        );
+    };
+    // An append past the capacity.
+    let mut d = data(&s, dtype, vec![14, 3], &mut rng);
+    d.lengths[0] = 15;
+    expect_refusal(&d, "cache_seqlens");
+    // A block-table entry that names no page, in a page the sequence uses.
+    let mut d = data(&s, dtype, vec![5, 3], &mut rng);
+    d.table[1] = d.pages as i32;
+    expect_refusal(&d, "block_table");
+
+    // Shapes: each refused naming its argument.
+    let d = data(&s, dtype, vec![5, 3], &mut rng);
+    let q = upload(&client, &d.q, &[2, 4, 2, 32], dtype);
+    let (k, v, table) = upload_cache(&client, &s, &d, dtype);
+    let seqlens = lengths_upload(&client, &[5, 3]);
+    let short = lengths_upload(&client, &[5]);
+    let v_wrong = upload(&client, &vec![0.0; 2 * 2 * 2 * 32], &[2, 2, 2, 32], dtype);
+    let k_wrong = upload(&client, &vec![0.0; 2 * 3 * 2 * 32], &[2, 3, 2, 32], dtype);
+    let table = table.unwrap();
+    let base = DecodeInputs {
+        q: &q,
+        cache: KvCache {
+            k: &k,
+            v: &v,
+            block_table: Some(&table),
+        },
+        cache_seqlens: &seqlens,
+        new: None,
+    };
+    let bad = [
+        (
+            "cache_seqlens",
+            DecodeInputs {
+                cache_seqlens: &short,
+                ..base
+            },
+        ),
+        (
+            "v_cache",
+            DecodeInputs {
+                cache: KvCache {
+                    v: &v_wrong,
+                    ..base.cache
+                },
+                ..base
+            },
+        ),
+        (
+            "k",
+            DecodeInputs {
+                new: Some((&k_wrong, &v)),
+                ..base
+            },
+        ),
+        (
+            "block_table",
+            DecodeInputs {
+                cache: KvCache {
+                    block_table: Some(&seqlens),
+                    ..base.cache
+                },
+                ..base
+            },
+        ),
+    ];
+    for (arg, inputs) in bad {
+        let err = decode(&client, inputs, dtype, s.options(), Splits::Auto).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("`{arg}`")),
+            "{arg}: {err}"
+        );
+    }
+    // The device keeps working.
+    decode(&client, base, dtype, s.options(), Splits::Auto).expect("a valid call after refusals");
+}
+
+#[test]
+fn long_caches_are_split_within_the_loop_budget() {
+    // On lavapipe one cube would pass the driver's loop budget over 20 000 keys
+    // (crate::loop_budget): unsplit, the call is refused; the automatic split count keeps
+    // each split within the budget, and the result is right.
+    let client = common::client();
+    let s = serving(1, 2, 1, 1, 20_000, 64);
+    let lengths = vec![s.capacity - 1];
+    let limits = DeviceLimits::from_properties(client.properties());
+    if limits.loop_iterations.is_some() {
+        let (_, mut rng) = common::rng();
+        let d = data(&s, FloatDtype::F32, lengths.clone(), &mut rng);
+        let (result, _) = run(&client, &s, &d, FloatDtype::F32, Splits::Exactly(1));
+        assert!(
+            matches!(result, Err(FlashError::Unavailable(_))),
+            "an unsplit call past the loop budget ran"
+        );
+    }
+    check(&client, &s, FloatDtype::F32, lengths, Splits::Auto);
+}
