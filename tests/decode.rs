@@ -3,7 +3,7 @@
 
 use burn_flash_attention::kernels::{
     AttentionOptions, DeviceLimits, DeviceTensor, FlashError, FloatDtype, MaskSpec,
-    decode::{DecodeInputs, DecodeOutput, KvCache, Splits, decode},
+    decode::{DecodeInputs, DecodeOutput, KvCache, Lengths, Splits, decode},
     reference::{self, Dims},
 };
 use cubecl::client::Client;
@@ -225,6 +225,7 @@ fn run(
     d: &Data,
     dtype: FloatDtype,
     splits: Splits,
+    lengths: Lengths,
 ) -> (Result<DecodeOutput, FlashError>, Contents) {
     let q = upload(client, &d.q, &[s.batch, s.heads_q, s.s_q, s.dim_qk], dtype);
     let (k, v, table) = upload_cache(client, s, d, dtype);
@@ -250,6 +251,7 @@ fn run(
         },
         cache_seqlens: &seqlens,
         new: s.append.then_some((&new_k, &new_v)),
+        lengths,
     };
     let result = decode(client, inputs, dtype, s.options(), splits);
     let contents = download_cache(client, s, d, &k, &v, dtype);
@@ -294,7 +296,12 @@ fn check(client: &Client, s: &Serving, dtype: FloatDtype, lengths: Vec<usize>, s
         "{s:?} {dtype:?} {splits:?} lengths {:?}, seed {seed}",
         d.lengths
     );
-    let (result, contents) = run(client, s, &d, dtype, splits);
+    // The lengths read back, and (split in three) as the host knows them.
+    let lengths = match splits {
+        Splits::Exactly(3) => Lengths::Known(&d.lengths),
+        _ => Lengths::ReadBack,
+    };
+    let (result, contents) = run(client, s, &d, dtype, splits, lengths);
     let result = result.unwrap_or_else(|e| panic!("decode: {e} — {context}"));
     let after = appended(s, &d);
     assert!(
@@ -461,7 +468,7 @@ fn paged_and_contiguous_caches_give_the_same_bits() {
             ..contiguous
         };
         let d = data(&s, dtype, lengths.clone(), &mut StdRng::seed_from_u64(seed));
-        let (result, _) = run(&client, &s, &d, dtype, Splits::Exactly(2));
+        let (result, _) = run(&client, &s, &d, dtype, Splits::Exactly(2), Lengths::ReadBack);
         let result = result.unwrap_or_else(|e| panic!("decode: {e} — seed {seed}"));
         outputs.push((
             page_size,
@@ -487,7 +494,7 @@ fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
     };
     let dtype = FloatDtype::F32;
     let expect_refusal = |d: &Data, arg: &str| {
-        let (result, contents) = run(&client, &s, d, dtype, Splits::Auto);
+        let (result, contents) = run(&client, &s, d, dtype, Splits::Auto, Lengths::ReadBack);
         let err = result
             .err()
             .unwrap_or_else(|| panic!("{arg}: accepted — seed {seed}"));
@@ -530,6 +537,7 @@ fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
         },
         cache_seqlens: &seqlens,
         new: None,
+        lengths: Lengths::ReadBack,
     };
     let bad = [
         (
@@ -590,7 +598,7 @@ fn long_caches_are_split_within_the_loop_budget() {
     if limits.loop_iterations.is_some() {
         let (_, mut rng) = common::rng();
         let d = data(&s, FloatDtype::F32, lengths.clone(), &mut rng);
-        let (result, _) = run(&client, &s, &d, FloatDtype::F32, Splits::Exactly(1));
+        let (result, _) = run(&client, &s, &d, FloatDtype::F32, Splits::Exactly(1), Lengths::ReadBack);
         assert!(
             matches!(result, Err(FlashError::Unavailable(_))),
             "an unsplit call past the loop budget ran"

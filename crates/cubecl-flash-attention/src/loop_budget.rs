@@ -105,16 +105,20 @@ pub fn dq_iterations(problem: &AttentionProblem, config: &TileConfig) -> u64 {
 pub fn decode_iterations(config: &DecodeConfig, blocks: usize) -> u64 {
     let (dqk, dv, c) = (config.dim_qk, config.dim_v, config.columns);
     let (rows, keys, units) = (config.rows, config.block_kv, config.units);
-    let pairs = (rows * keys).div_ceil(units) as u64;
-    // One key block: K and V staged, the scores, the softmax of a row, then P·V.
+    let pairs = config.pairs_per_unit() as u64;
+    let rolled = |n: usize| match config.unrolled {
+        true => 0,
+        false => run(n as u64),
+    };
+    let (loads_k, loads_v) = (config.loads_per_unit(dqk), config.loads_per_unit(dv));
+    // One key block: K and V stored to shared memory, the next block's loaded, the scores,
+    // the softmax of a row, then P·V.
     let per_block = 1
-        + copy(keys, dqk, units)
-        + copy(keys, dv, units)
-        + run(pairs)
+        + 2 * (rolled(loads_k) + rolled(loads_v))
         + pairs * row(dqk, c)
         + 2 * run(keys as u64)
         + config.outputs_per_unit() as u64 * run(keys as u64);
-    copy(rows, dqk, units) + run(0) + blocks as u64 * per_block
+    copy(rows, dqk, units) + rolled(loads_k) + rolled(loads_v) + run(0) + blocks as u64 * per_block
 }
 
 /// Most key blocks one invocation of the decode kernel may read within the device's loop

@@ -10,19 +10,23 @@
 //!   results [`super::merge`] combines by their LSE;
 //! - K/V come from a contiguous or a paged cache ([`super::cache`]), up to the sequence's own
 //!   length (`cache_seqlens[b]`, plus the keys appended by this call);
-//! - per key block the cube stages K and V, computes the `rows × block_kv` scores (one pair
-//!   per unit), runs the online softmax of each row (one unit per row), then adds `P·V` to
-//!   the outputs, which the units share column by column.
+//! - the next key block's K and V are loaded into registers while the cube computes on the
+//!   current one (staged in shared memory as f32): the loads' latency hides under the work;
+//! - per key block the units compute the `rows × block_kv` scores (one pair per unit each
+//!   step); the online softmax of a row runs on the plane that computed its scores (plane
+//!   reductions, where the block is one plane wide), or on one unit per row where the device
+//!   has no plane operations; then the units add `P·V` to the outputs, which they share
+//!   column by column.
 //!
-//! No plane operations or tensor cores: it runs on every device.
+//! No tensor cores and, on devices without them, no plane operations: it runs everywhere.
 
 use cubecl::prelude::*;
 
-use super::cache::stage_cache_rows;
+use super::cache::{load_cache_block, store_block};
 use crate::mask::{Blocks, Mask};
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability};
-use crate::tile::dot_shared;
+use crate::tile::{RowLayout, dot_shared};
 
 /// The compile-time configuration of one decode kernel variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -43,6 +47,12 @@ pub struct DecodeConfig {
     pub paged: bool,
     /// The key range is split over cubes: partial outputs in f32 and their LSE, merged after.
     pub split: bool,
+    /// Each row's softmax on the plane that computed its scores (`block_kv` is the plane
+    /// size); otherwise one unit per row.
+    pub plane_softmax: bool,
+    /// The loops over a unit's values unrolled, so that its registers hold them (GPUs);
+    /// rolled on CPU drivers, which compile unrolled loops slowly.
+    pub unrolled: bool,
 }
 
 impl DecodeConfig {
@@ -50,6 +60,16 @@ impl DecodeConfig {
     /// the keys of one block column by column fall in different shared-memory banks.
     pub fn key_stride(&self) -> usize {
         self.dim_qk + 1
+    }
+
+    /// Score pairs (row, key) each unit computes per block.
+    pub fn pairs_per_unit(&self) -> usize {
+        (self.rows * self.block_kv).div_ceil(self.units)
+    }
+
+    /// Values of a staged block of `dim` columns each unit loads.
+    pub fn loads_per_unit(&self, dim: usize) -> usize {
+        (self.block_kv * dim).div_ceil(self.units)
     }
 
     /// Outputs (row, column) each unit accumulates.
@@ -77,8 +97,11 @@ pub fn flash_decode<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
+    k_rows: &RowLayout,
+    v_rows: &RowLayout,
     seqlens: &Tensor<i32>,
     table: &Tensor<i32>,
+    table_row: u32,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     partial_out: &mut Tensor<f32>,
@@ -100,6 +123,7 @@ pub fn flash_decode<F: Float>(
     let dim_v = config.dim_v;
     let key_stride = comptime!(config.key_stride());
     let page_size = page_size as usize;
+    let table_row = table_row as usize;
 
     // Which sequence, K/V head and packed rows this cube takes.
     let heads_q = q.shape(1);
@@ -165,94 +189,121 @@ pub fn flash_decode<F: Float>(
     for t in 0..outputs {
         acc[t] = 0.0;
     }
-    // Unit r < rows keeps row r's softmax state.
+    // The softmax state of the rows this unit's plane (or, without plane softmax, this unit)
+    // keeps: one per score step, or row `UNIT_POS`.
+    let pairs = comptime!(config.pairs_per_unit());
+    let mut row_max = Array::<f32>::new(pairs);
+    let mut row_sum = Array::<f32>::new(pairs);
+    #[unroll]
+    for t in 0..pairs {
+        row_max[t] = f32::new(MASKED);
+        row_sum[t] = 0.0;
+    }
     let mut state = RunningState::init();
     let own_row = UNIT_POS as usize;
 
+    // K and V of the next block, in registers.
+    let mut k_next = Array::<F>::new(comptime!(config.loads_per_unit(dim_qk)));
+    let mut v_next = Array::<F>::new(comptime!(config.loads_per_unit(dim_v)));
+    let first_key = usize::cast_from(blocks.start(0, block_kv));
+    load_cache_block(
+        k, k_rows, table, table_row, batch, head_kv, first_key, end_u, page_size, &mut k_next,
+        block_kv, dim_qk, units, config.paged, config.unrolled,
+    );
+    load_cache_block(
+        v, v_rows, table, table_row, batch, head_kv, first_key, end_u, page_size, &mut v_next,
+        block_kv, dim_v, units, config.paged, config.unrolled,
+    );
+
     for b in 0..blocks.count {
         let k0 = blocks.start(b, block_kv);
-        let k0_u = usize::cast_from(k0);
         sync_cube();
-        stage_cache_rows(
-            k,
-            table,
-            batch,
-            head_kv,
-            k0_u,
-            end_u,
-            page_size,
-            &mut k_tile,
-            block_kv,
-            dim_qk,
-            key_stride,
-            units,
-            config.paged,
-        );
-        stage_cache_rows(
-            v,
-            table,
-            batch,
-            head_kv,
-            k0_u,
-            end_u,
-            page_size,
-            &mut v_tile,
-            block_kv,
-            dim_v,
-            dim_v,
-            units,
-            config.paged,
-        );
+        store_block(&k_next, &mut k_tile, block_kv, dim_qk, key_stride, units, config.unrolled);
+        store_block(&v_next, &mut v_tile, block_kv, dim_v, dim_v, units, config.unrolled);
         sync_cube();
+        if b + 1 < blocks.count {
+            let next = usize::cast_from(blocks.start(b + 1, block_kv));
+            load_cache_block(
+                k, k_rows, table, table_row, batch, head_kv, next, end_u, page_size,
+                &mut k_next, block_kv, dim_qk, units, config.paged, config.unrolled,
+            );
+            load_cache_block(
+                v, v_rows, table, table_row, batch, head_kv, next, end_u, page_size,
+                &mut v_next, block_kv, dim_v, units, config.paged, config.unrolled,
+            );
+        }
 
         // S = Q·Kᵀ · scale (softcapped); hidden keys and rows past the group are MASKED.
-        for step in 0..(rows * block_kv).div_ceil(units) {
+        // With plane softmax, a plane holds one row's block of scores: it turns them into
+        // probabilities at once.
+        #[unroll]
+        for step in 0..pairs {
             let idx = step * units + UNIT_POS as usize;
-            if idx < rows * block_kv {
-                let r = idx / block_kv;
-                let j = idx % block_kv;
-                let dot = dot_shared(
-                    &q_tile,
-                    r * dim_qk,
-                    &k_tile,
-                    j * key_stride,
-                    q.shape(3),
-                    dim_qk,
-                    config.columns,
-                );
-                let key = k0 + i32::cast_from(j);
-                let packed_row = first_row + r;
-                let mut visible = key < end && packed_row < packed;
-                if config.masked {
-                    visible = visible && mask.is_visible(i32::cast_from(packed_row % seq_q), key);
+            let r = idx / block_kv;
+            let j = idx % block_kv;
+            let in_block = idx < rows * block_kv;
+            let dot = dot_shared(
+                &q_tile,
+                min(r, rows - 1) * dim_qk,
+                &k_tile,
+                j * key_stride,
+                q.shape(3),
+                dim_qk,
+                config.columns,
+            );
+            let key = k0 + i32::cast_from(j);
+            let packed_row = first_row + r;
+            let mut visible = in_block && key < end && packed_row < packed;
+            if config.masked {
+                visible = visible && mask.is_visible(i32::cast_from(packed_row % seq_q), key);
+            }
+            let s = select(
+                visible,
+                score(dot, scale, softcap, config.softcap),
+                f32::new(MASKED),
+            );
+            if config.plane_softmax {
+                let mut row = RunningState {
+                    m: row_max[step],
+                    l: row_sum[step],
+                };
+                let alpha = row.rescale(plane_max(s));
+                let p = probability(s, row.m);
+                row.l += plane_sum(p);
+                row_max[step] = row.m;
+                row_sum[step] = row.l;
+                if in_block {
+                    p_tile[idx] = p;
+                    if j == 0 {
+                        row_factor[r] = alpha;
+                    }
                 }
-                p_tile[idx] = select(
-                    visible,
-                    score(dot, scale, softcap, config.softcap),
-                    f32::new(MASKED),
-                );
+            } else if in_block {
+                p_tile[idx] = s;
             }
         }
         sync_cube();
 
-        // Online softmax, one unit per row: the scores become probabilities in place.
-        if own_row < rows {
-            let row = own_row * block_kv;
-            let mut block_max = f32::new(MASKED);
-            for j in 0..block_kv {
-                block_max = max(block_max, p_tile[row + j]);
+        if !config.plane_softmax {
+            // Online softmax, one unit per row: the scores become probabilities in place.
+            if own_row < rows {
+                let row = own_row * block_kv;
+                let mut block_max = f32::new(MASKED);
+                for j in 0..block_kv {
+                    block_max = max(block_max, p_tile[row + j]);
+                }
+                let alpha = state.rescale(block_max);
+                let mut block_sum = 0.0f32;
+                for j in 0..block_kv {
+                    let p = probability(p_tile[row + j], state.m);
+                    p_tile[row + j] = p;
+                    block_sum += p;
+                }
+                state.l += block_sum;
+                row_factor[own_row] = alpha;
             }
-            let alpha = state.rescale(block_max);
-            let mut block_sum = 0.0f32;
-            for j in 0..block_kv {
-                let p = probability(p_tile[row + j], state.m);
-                p_tile[row + j] = p;
-                block_sum += p;
-            }
-            state.l += block_sum;
-            row_factor[own_row] = alpha;
+            sync_cube();
         }
-        sync_cube();
 
         // O ← α·O + P·V, each unit on its (row, column) outputs.
         #[unroll]
@@ -271,7 +322,21 @@ pub fn flash_decode<F: Float>(
     }
 
     // Epilogue: normalize; write O and the LSE, or this split's partial results.
-    if own_row < rows {
+    sync_cube();
+    if config.plane_softmax {
+        #[unroll]
+        for step in 0..pairs {
+            let idx = step * units + UNIT_POS as usize;
+            if idx < rows * block_kv && idx % block_kv == 0 {
+                let row = RunningState {
+                    m: row_max[step],
+                    l: row_sum[step],
+                };
+                row_factor[idx / block_kv] = row.normalizer();
+                row_lse[idx / block_kv] = row.lse(neg_inf);
+            }
+        }
+    } else if own_row < rows {
         row_factor[own_row] = state.normalizer();
         row_lse[own_row] = state.lse(neg_inf);
     }

@@ -52,6 +52,21 @@ pub struct DecodeInputs<'a> {
     /// Keys `[batch, heads_kv, s_new, d_qk]` and values `[batch, heads_kv, s_new, d_v]` to
     /// write at positions `cache_seqlens[b] ..` before attending (they are then attended).
     pub new: Option<(&'a DeviceTensor, &'a DeviceTensor)>,
+    /// How the launcher learns the lengths it checks and splits by.
+    pub lengths: Lengths<'a>,
+}
+
+/// Where the launcher learns each sequence's length.
+#[derive(Clone, Copy, Debug, Default)]
+pub enum Lengths<'a> {
+    /// Read `cache_seqlens` and the block table back and check them (one host round trip
+    /// per call: the device finishes the work queued before).
+    #[default]
+    ReadBack,
+    /// The lengths as the host already knows them (a server's own bookkeeping), equal to
+    /// `cache_seqlens`: checked against the capacity without a read back; the block table
+    /// is the caller's to keep valid.
+    Known(&'a [usize]),
 }
 
 /// How the key range is split over cubes.
@@ -233,10 +248,21 @@ fn check_lengths(
             format!("expected [{}] (one length per sequence)", geometry.batch),
         ));
     }
-    let lengths = read_i32(client, t);
+    let lengths: Vec<i64> = match inputs.lengths {
+        Lengths::ReadBack => read_i32(client, t).into_iter().map(i64::from).collect(),
+        Lengths::Known(lengths) if lengths.len() == geometry.batch => {
+            lengths.iter().map(|&l| l as i64).collect()
+        }
+        Lengths::Known(lengths) => {
+            return Err(FlashError::Option {
+                arg: "lengths",
+                expected: format!("{} lengths (one per sequence), got {}", geometry.batch, lengths.len()),
+            });
+        }
+    };
     let mut longest = 0;
     for (b, &len) in lengths.iter().enumerate() {
-        let total = len as i64 + s_new as i64;
+        let total = len + s_new as i64;
         if len < 0 || total > geometry.capacity as i64 {
             return Err(FlashError::Option {
                 arg: "cache_seqlens",
@@ -249,7 +275,9 @@ fn check_lengths(
         }
         longest = longest.max(total as usize);
     }
-    if let (Some(table), Some(page_size)) = (inputs.cache.block_table, geometry.page_size) {
+    if let (Some(table), Some(page_size), Lengths::ReadBack) =
+        (inputs.cache.block_table, geometry.page_size, inputs.lengths)
+    {
         let entries = read_i32(client, table);
         let max_pages = table.shape[1];
         for (b, &len) in lengths.iter().enumerate() {
@@ -304,25 +332,48 @@ pub fn decode_config(
     const UNITS: usize = 128;
     const MAX_ROWS: usize = 32;
     const SHARED_BYTES: usize = 48 * 1024;
-    let units = UNITS.min(limits.max_units_per_cube).max(1);
+    const PLANE_SHARED_BYTES: usize = 100 * 1024;
+    // Tuning override, for A/B runs: `FLASH_DECODE_TILES=units,block_kv`.
+    let tiles: Option<(usize, usize)> = std::env::var("FLASH_DECODE_TILES").ok().and_then(|v| {
+        let (u, b) = v.split_once(',')?;
+        Some((u.parse().ok()?, b.parse().ok()?))
+    });
+    let units = tiles.map_or(UNITS, |t| t.0).min(limits.max_units_per_cube).max(1);
     let packed = problem.group_size() * problem.seq_q;
     let rows = packed.next_power_of_two().min(MAX_ROWS).min(units);
+    let config = |block_kv: usize| DecodeConfig {
+        rows,
+        block_kv,
+        units,
+        dim_qk: problem.dim_qk,
+        dim_v: problem.dim_v,
+        columns: portable_columns(problem.dim_qk.max(problem.dim_v), limits),
+        masked: problem.options.mask.is_masked(),
+        softcap: problem.options.softcap.is_some(),
+        paged,
+        split,
+        plane_softmax: limits.plane_ops
+            && block_kv == limits.plane_size
+            && units.is_multiple_of(limits.plane_size),
+        unrolled: limits.plane_ops,
+    };
+    let fits = |config: &DecodeConfig, budget: usize| config.shared_bytes() <= budget;
+    if let Some((_, block_kv)) = tiles {
+        return Ok(config(block_kv)).and_then(|c| match fits(&c, limits.max_shared_memory) {
+            true => Ok(c),
+            false => Err(FlashError::InvalidConfig(format!("FLASH_DECODE_TILES: {c:?} does not fit"))),
+        });
+    }
+    // A block one plane wide, its softmax on the plane; else the largest block that fits.
+    let plane = config(limits.plane_size);
+    if plane.plane_softmax && fits(&plane, PLANE_SHARED_BYTES.min(limits.max_shared_memory)) {
+        return Ok(plane);
+    }
     let budget = SHARED_BYTES.min(limits.max_shared_memory);
     [64, 32, 16, 8]
         .into_iter()
-        .map(|block_kv| DecodeConfig {
-            rows,
-            block_kv,
-            units,
-            dim_qk: problem.dim_qk,
-            dim_v: problem.dim_v,
-            columns: portable_columns(problem.dim_qk.max(problem.dim_v), limits),
-            masked: problem.options.mask.is_masked(),
-            softcap: problem.options.softcap.is_some(),
-            paged,
-            split,
-        })
-        .find(|config| config.shared_bytes() <= budget)
+        .map(config)
+        .find(|c| fits(c, budget))
         .ok_or_else(|| {
             FlashError::InvalidConfig(format!(
                 "head dims {}/{} with {rows} packed query rows need more than the {budget} bytes \
@@ -385,6 +436,26 @@ pub fn decode(
         geometry.kernel_view(inputs.cache.k),
         geometry.kernel_view(inputs.cache.v),
     );
+    for (arg, t) in [("k_cache", &k), ("v_cache", &v)] {
+        if t.strides[3] != 1 {
+            return Err(shape_error(
+                arg,
+                t,
+                format!("its head dim must be contiguous (stride 1), got strides {:?}", t.strides),
+            ));
+        }
+    }
+    if table.strides[1] != 1 {
+        return Err(shape_error(
+            "block_table",
+            table,
+            format!("its rows must be contiguous (stride 1), got strides {:?}", table.strides),
+        ));
+    }
+    let (k_rows, v_rows) = (k.row_layout("k_cache")?, v.row_layout("v_cache")?);
+    let table_row = u32::try_from(table.strides[0]).map_err(|_| {
+        shape_error("block_table", table, "a row stride below 2^32".into())
+    })?;
 
     if let Some((k_new, v_new)) = inputs.new
         && s_new > 0
@@ -485,8 +556,11 @@ pub fn decode(
             q.arg(),
             k.arg(),
             v.arg(),
+            k_rows,
+            v_rows,
             inputs.cache_seqlens.arg(),
             table.arg(),
+            table_row,
             out.arg(),
             lse.arg(),
             partial_out.arg(),

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Decode benchmarks in one call on a GPU machine, from a prebuilt `bench_decode` binary:
+# ours (contiguous and paged caches), then PyTorch SDPA's flash and cuDNN backends with the
+# device's copy bandwidth (benches/torch_decode.py), on the same shapes.
+#
+#   benches/run_decode.sh BIN_DIR OUT_DIR
+#
+# Grid: d 128, bf16, one query token; cache lengths 1k…128k, batch 1/8/32, GQA 32:8
+# (contiguous, pages of 1, 16, 64, 256) and 8:1 (contiguous).
+set -euo pipefail
+bin="$1"
+out="$2"
+mkdir -p "$out"
+here="$(cd "$(dirname "$0")" && pwd)"
+lens=1024,4096,16384,32768,131072
+"$bin/bench_decode" --device cuda --lens "$lens" --batches 1,8,32 --heads 32:8 \
+  --pages 0,1,16,64,256 --seconds 0.1 --json "$out/ours_decode_gqa4.json"
+"$bin/bench_decode" --device cuda --lens "$lens" --batches 1,8,32 --heads 8:1 \
+  --pages 0 --seconds 0.1 --json "$out/ours_decode_gqa8.json"
+python3 "$here/torch_decode.py" --lens "$lens" --batches 1,8,32 --heads 32:8,8:1 \
+  --json "$out/torch_decode.json"

@@ -1,0 +1,213 @@
+//! Decode benchmark: one new query token per sequence against a KV cache, contiguous or
+//! paged, GQA, as a server's generation step runs it. Reports the bytes of K and V read per
+//! second (`b · h_kv · len · (d_qk + d_v) · dtype size / time`), the measure of a
+//! memory-bound kernel, next to PyTorch's in `benches/torch_decode.py`.
+//!
+//! The cache holds whatever the allocator returns (timing does not depend on the values);
+//! the lengths are given as the host knows them (`Lengths::Known`), as a server would, so
+//! no call waits for a read back. Timing: median over batches of calls queued back to back
+//! of the time per call, after a warm-up.
+//!
+//!     cargo run --release --features cuda --example bench_decode -- --json decode.json
+
+use std::time::Instant;
+
+use burn_flash_attention::kernels::{
+    AttentionOptions, DeviceTensor, FloatDtype,
+    decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
+};
+use clap::Parser;
+use serde::Serialize;
+
+#[derive(Parser, Debug)]
+#[command(about = "Decode benchmark: K/V bytes read per second")]
+struct Args {
+    /// Device: cuda, rocm, wgpu, wgpu-cpu.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Cache lengths (every sequence of the batch holds this many positions).
+    #[arg(long, value_delimiter = ',', default_values_t = [1024usize, 4096, 16384, 32768, 131072])]
+    lens: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 8, 32])]
+    batches: Vec<usize>,
+    /// Query heads : K/V heads.
+    #[arg(long, value_delimiter = ',', default_values = ["32:8", "8:1"])]
+    heads: Vec<String>,
+    #[arg(long, default_value_t = 128)]
+    dim: usize,
+    /// bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Page sizes; 0 is the contiguous cache.
+    #[arg(long, value_delimiter = ',', default_values_t = [0usize, 1, 16, 64, 256])]
+    pages: Vec<usize>,
+    /// Split counts to force (0: the heuristic's).
+    #[arg(long, value_delimiter = ',', default_values_t = [0usize])]
+    splits: Vec<usize>,
+    /// Skip points whose cache exceeds this many GiB.
+    #[arg(long, default_value_t = 40.0)]
+    max_gib: f64,
+    #[arg(long, default_value_t = 0.3)]
+    seconds: f64,
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Record {
+    #[serde(rename = "impl")]
+    implementation: String,
+    b: usize,
+    h_q: usize,
+    h_kv: usize,
+    cache_len: usize,
+    d: usize,
+    page_size: usize,
+    splits: usize,
+    ms: f64,
+    kv_gbps: f64,
+}
+
+fn client(device: &str) -> cubecl::client::Client {
+    let device = match device {
+        #[cfg(feature = "cuda")]
+        "cuda" => cubecl::Device::Cuda(cubecl::cuda::CudaDevice { index: 0 }),
+        #[cfg(feature = "rocm")]
+        "rocm" => cubecl::Device::Hip(cubecl::hip::AmdDevice { index: 0 }),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => cubecl::Device::Wgpu(Default::default()),
+        #[cfg(feature = "wgpu")]
+        "wgpu-cpu" => cubecl::Device::Wgpu(cubecl::wgpu::WgpuDevice::new(
+            cubecl::wgpu::WgpuDeviceKind::Cpu,
+        )),
+        other => panic!("device `{other}` is not compiled in"),
+    };
+    device.client()
+}
+
+fn i32_tensor(client: &cubecl::client::Client, shape: &[usize], values: &[i32]) -> DeviceTensor {
+    let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+    DeviceTensor::from_bytes(client, shape, &bytes)
+}
+
+fn main() {
+    let args = Args::parse();
+    let client = client(&args.device);
+    let dtype = match args.dtype.as_str() {
+        "bf16" => FloatDtype::BF16,
+        "f16" => FloatDtype::F16,
+        "f32" => FloatDtype::F32,
+        other => panic!("--dtype takes bf16, f16 or f32, got {other}"),
+    };
+    let d = args.dim;
+    let sync = || cubecl::future::block_on(client.sync()).expect("device synced");
+    let mut records = Vec::new();
+    for heads in &args.heads {
+        let (h_q, h_kv) = heads
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+            .expect("--heads takes h_q:h_kv");
+        for &b in &args.batches {
+            for &len in &args.lens {
+                let kv_bytes = b * h_kv * len * 2 * d * dtype.size();
+                if kv_bytes as f64 / (1u64 << 30) as f64 > args.max_gib {
+                    continue;
+                }
+                for &page in &args.pages {
+                    for &forced in &args.splits {
+                        let q = DeviceTensor::empty(&client, &[b, h_q, 1, d], dtype.size());
+                        let (k, v, table) = if page == 0 {
+                            (
+                                DeviceTensor::empty(&client, &[b, h_kv, len, d], dtype.size()),
+                                DeviceTensor::empty(&client, &[b, h_kv, len, d], dtype.size()),
+                                None,
+                            )
+                        } else {
+                            let per_seq = len.div_ceil(page);
+                            let pages = b * per_seq;
+                            // Pages of a sequence scattered over the pool (stride 7 mod pages).
+                            let entries: Vec<i32> = (0..pages)
+                                .map(|n| ((n * 7919) % pages) as i32)
+                                .collect();
+                            (
+                                DeviceTensor::empty(&client, &[pages, page, h_kv, d], dtype.size()),
+                                DeviceTensor::empty(&client, &[pages, page, h_kv, d], dtype.size()),
+                                Some(i32_tensor(&client, &[b, per_seq], &entries)),
+                            )
+                        };
+                        let lengths = vec![len; b];
+                        let seqlens = i32_tensor(&client, &[b], &vec![len as i32; b]);
+                        let splits = match forced {
+                            0 => Splits::Auto,
+                            n => Splits::Exactly(n),
+                        };
+                        let call = || {
+                            decode(
+                                &client,
+                                DecodeInputs {
+                                    q: &q,
+                                    cache: KvCache {
+                                        k: &k,
+                                        v: &v,
+                                        block_table: table.as_ref(),
+                                    },
+                                    cache_seqlens: &seqlens,
+                                    new: None,
+                                    lengths: Lengths::Known(&lengths),
+                                },
+                                dtype,
+                                AttentionOptions::default(),
+                                splits,
+                            )
+                            .expect("decode")
+                        };
+                        // A point the kernels refuse (or a runtime limit) is reported and skipped.
+                        let ran = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+                            Ok(out) => out.splits,
+                            Err(_) => {
+                                eprintln!("skipped: b {b}, h {h_q}:{h_kv}, len {len}, page {page}");
+                                continue;
+                            }
+                        };
+                        for _ in 0..3 {
+                            call();
+                        }
+                        sync();
+                        let mut times = Vec::new();
+                        let started = Instant::now();
+                        while times.len() < 5
+                            || (started.elapsed().as_secs_f64() < args.seconds && times.len() < 50)
+                        {
+                            let n = 20;
+                            let t = Instant::now();
+                            for _ in 0..n {
+                                call();
+                            }
+                            sync();
+                            times.push(t.elapsed().as_secs_f64() * 1e3 / n as f64);
+                        }
+                        times.sort_by(f64::total_cmp);
+                        let ms = times[times.len() / 2];
+                        let record = Record {
+                            implementation: "ours".into(),
+                            b,
+                            h_q,
+                            h_kv,
+                            cache_len: len,
+                            d,
+                            page_size: page,
+                            splits: ran,
+                            ms,
+                            kv_gbps: kv_bytes as f64 / ms / 1e6,
+                        };
+                        println!("{}", serde_json::to_string(&record).unwrap());
+                        records.push(record);
+                    }
+                }
+            }
+        }
+    }
+    if let Some(path) = args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&records).unwrap()).unwrap();
+    }
+}
