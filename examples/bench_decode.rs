@@ -126,9 +126,8 @@ fn main() {
                             let per_seq = len.div_ceil(page);
                             let pages = b * per_seq;
                             // Pages of a sequence scattered over the pool (stride 7 mod pages).
-                            let entries: Vec<i32> = (0..pages)
-                                .map(|n| ((n * 7919) % pages) as i32)
-                                .collect();
+                            let entries: Vec<i32> =
+                                (0..pages).map(|n| ((n * 7919) % pages) as i32).collect();
                             (
                                 DeviceTensor::empty(&client, &[pages, page, h_kv, d], dtype.size()),
                                 DeviceTensor::empty(&client, &[pages, page, h_kv, d], dtype.size()),
@@ -162,7 +161,8 @@ fn main() {
                             .expect("decode")
                         };
                         // A point the kernels refuse (or a runtime limit) is reported and skipped.
-                        let ran = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+                        let ran = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call))
+                        {
                             Ok(out) => out.splits,
                             Err(_) => {
                                 eprintln!("skipped: b {b}, h {h_q}:{h_kv}, len {len}, page {page}");

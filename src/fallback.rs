@@ -103,3 +103,95 @@ fn hidden_keys(
         .unsqueeze::<4>()
         .expand(shape)
 }
+
+/// [`crate::flash_attention_with_kvcache_and_lse`] composed from Burn tensor ops: the new keys
+/// and values written with `slice_assign`, each sequence's keys gathered (through its pages)
+/// and attended with [`attention`]. `lengths` are the checked `cache_seqlens`.
+pub(crate) fn decode(
+    q: Tensor<4>,
+    cache: crate::serving::KvCache,
+    lengths: &[usize],
+    new: Option<(Tensor<4>, Tensor<4>)>,
+    options: &FlashAttentionOptions,
+) -> (Tensor<4>, Tensor<3>, crate::serving::KvCache) {
+    use burn::tensor::Int;
+    let [_, heads_q, seq_q, _] = q.dims();
+    let dim_v = cache.v.dims()[3];
+    let device = q.device();
+    let s_new = new.as_ref().map_or(0, |(k, _)| k.dims()[2]);
+    let crate::serving::KvCache {
+        mut k,
+        mut v,
+        block_table,
+    } = cache;
+    // A paged cache's page size, the page of each of a sequence's positions, and the table.
+    let paged = block_table.map(|t| {
+        let [_, max_pages] = t.dims();
+        let entries = crate::serving::host_ints(t.clone());
+        (k.dims()[1], max_pages, entries, t)
+    });
+    // Position `pos` of sequence `b`: (block, row) in `[blocks, rows, ..]` order.
+    let slot = |b: usize, pos: usize| match &paged {
+        Some((page_size, max_pages, table, _)) => (
+            table[b * max_pages + pos / page_size] as usize,
+            pos % page_size,
+        ),
+        None => (b, pos),
+    };
+    let mut outs = Vec::with_capacity(lengths.len());
+    let mut lses = Vec::with_capacity(lengths.len());
+    for (b, &len) in lengths.iter().enumerate() {
+        if let Some((k_new, v_new)) = &new {
+            for i in 0..s_new {
+                let (block, row) = slot(b, len + i);
+                let token = |t: &Tensor<4>| t.clone().slice([b..b + 1, 0..t.dims()[1], i..i + 1]);
+                let (kt, vt) = (token(k_new), token(v_new));
+                let (dk, dv) = (k.dims()[3], v.dims()[3]);
+                if paged.is_some() {
+                    // [1, h, 1, d] → [1, 1, h, d] at (page, row).
+                    let heads = k.dims()[2];
+                    let at = |d: usize| [block..block + 1, row..row + 1, 0..heads, 0..d];
+                    k = k.slice_assign(at(dk), kt.swap_dims(1, 2));
+                    v = v.slice_assign(at(dv), vt.swap_dims(1, 2));
+                } else {
+                    let heads = k.dims()[1];
+                    let at = |d: usize| [block..block + 1, 0..heads, row..row + 1, 0..d];
+                    k = k.slice_assign(at(dk), kt);
+                    v = v.slice_assign(at(dv), vt);
+                }
+            }
+        }
+        let total = len + s_new;
+        let qb = q.clone().slice([b..b + 1]);
+        if total == 0 {
+            let zeros = Tensor::<4>::zeros([1, heads_q, seq_q, dim_v], &device);
+            outs.push(zeros.cast(q.dtype()));
+            let hidden = Tensor::<3>::full([1, heads_q, seq_q], f32::NEG_INFINITY, &device);
+            lses.push(hidden.cast(FloatDType::F32));
+            continue;
+        }
+        let gather = |t: &Tensor<4>| match &paged {
+            Some((page_size, max_pages, table, _)) => {
+                let used = total.div_ceil(*page_size);
+                let ids = table[b * max_pages..][..used].to_vec();
+                let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [used]), &device);
+                let [_, rows, heads, dim] = t.dims();
+                t.clone()
+                    .select(0, ids)
+                    .reshape([1, used * rows, heads, dim])
+                    .slice([0..1, 0..total])
+                    .swap_dims(1, 2)
+            }
+            None => t.clone().slice([b..b + 1, 0..t.dims()[1], 0..total]),
+        };
+        let (o, lse) = attention(qb, gather(&k), gather(&v), options);
+        outs.push(o);
+        lses.push(lse);
+    }
+    let cache = crate::serving::KvCache {
+        k,
+        v,
+        block_table: paged.map(|(.., t)| t),
+    };
+    (Tensor::cat(outs, 0), Tensor::cat(lses, 0), cache)
+}

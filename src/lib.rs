@@ -15,6 +15,8 @@
 //! ```
 //!
 //! - [`flash_attention`] / [`flash_attention_with_lse`]: the op;
+//! - [`flash_attention_with_kvcache`]: serving, new queries against a contiguous or paged
+//!   [`KvCache`] (new keys and values appended in place);
 //! - [`FlashAttentionOptions`]: scale, causal, sliding window, softcap;
 //! - [`FlashMultiHeadAttention`]: a drop-in multi-head attention module;
 //! - [`ops::FlashAttentionOps`]: the backend extension, for backend authors;
@@ -26,10 +28,12 @@ mod fallback;
 pub mod module;
 pub mod ops;
 mod options;
+mod serving;
 
 pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_attention};
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
-pub use options::FlashAttentionOptions;
+pub use options::{DecodeOptions, FlashAttentionOptions};
+pub use serving::{KvCache, flash_attention_with_kvcache, flash_attention_with_kvcache_and_lse};
 
 /// The kernel crate, re-exported.
 pub use cubecl_flash_attention as kernels;

@@ -3,9 +3,12 @@
 //! wgpu) in `backends/cube.rs` and for `Autodiff` in `backends/autodiff.rs`; the Fusion
 //! implementation is generated.
 
-use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
+use burn::backend::{
+    Backend, backend_extension,
+    tensor::{FloatTensor, IntTensor},
+};
 
-use crate::options::FlashAttentionOptions;
+use crate::options::{DecodeOptions, FlashAttentionOptions};
 
 #[backend_extension(
     Cube: cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm")),
@@ -35,6 +38,30 @@ pub trait FlashAttentionOps: Backend {
         d_o: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Attention of `q` `[b, h_q, s_q, d_qk]` against a KV cache (contiguous `[b, h_kv,
+    /// capacity, d]`, or with `options.paged` pages `[pages, page_size, h_kv, d]` named by
+    /// `block_table` `[b, max_pages]`), over the first `cache_seqlens[b]` (+ `s_new`)
+    /// positions of each sequence; with `options.append`, `k_new`/`v_new` `[b, h_kv, s_new,
+    /// d]` are first written at those positions. Returns (`o`, `lse`, the caches with the
+    /// new keys and values). Tensors `options` says are absent are ignored placeholders.
+    #[fusion(meta = meta::decode)]
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_decode(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        cache_seqlens: IntTensor<Self>,
+        block_table: IntTensor<Self>,
+        k_new: FloatTensor<Self>,
+        v_new: FloatTensor<Self>,
+        options: DecodeOptions,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
 }
 
 /// Output shapes and dtypes, for Burn's lazy Fusion backend.
@@ -42,7 +69,7 @@ mod meta {
     use burn::backend::fusion::custom::TensorSpec;
     use burn::tensor::{DType, Shape};
 
-    use crate::options::FlashAttentionOptions;
+    use crate::options::{DecodeOptions, FlashAttentionOptions};
 
     pub fn forward(
         q: &TensorSpec,
@@ -68,5 +95,25 @@ mod meta {
         _options: &FlashAttentionOptions,
     ) -> (TensorSpec, TensorSpec, TensorSpec) {
         (q.clone(), k.clone(), v.clone())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        q: &TensorSpec,
+        k_cache: &TensorSpec,
+        v_cache: &TensorSpec,
+        _cache_seqlens: &TensorSpec,
+        _block_table: &TensorSpec,
+        _k_new: &TensorSpec,
+        _v_new: &TensorSpec,
+        _options: &DecodeOptions,
+    ) -> (TensorSpec, TensorSpec, TensorSpec, TensorSpec) {
+        let (b, h, s_q) = (q.shape[0], q.shape[1], q.shape[2]);
+        (
+            TensorSpec::new(Shape::new([b, h, s_q, v_cache.shape[3]]), q.dtype),
+            TensorSpec::new(Shape::new([b, h, s_q]), DType::F32),
+            k_cache.clone(),
+            v_cache.clone(),
+        )
     }
 }

@@ -73,3 +73,16 @@ impl FlashAttentionOptions {
         }
     }
 }
+
+/// Options of a decode call ([`flash_attention_with_kvcache`](crate::flash_attention_with_kvcache)),
+/// as the backend extension receives them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DecodeOptions {
+    pub attention: FlashAttentionOptions,
+    /// The cache is paged (a block table names the pages).
+    pub paged: bool,
+    /// New keys and values are written into the cache before attending.
+    pub append: bool,
+    /// `cache_seqlens` as checked on the host (the kernels need not read it back).
+    pub lengths: Vec<usize>,
+}

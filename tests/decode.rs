@@ -468,7 +468,14 @@ fn paged_and_contiguous_caches_give_the_same_bits() {
             ..contiguous
         };
         let d = data(&s, dtype, lengths.clone(), &mut StdRng::seed_from_u64(seed));
-        let (result, _) = run(&client, &s, &d, dtype, Splits::Exactly(2), Lengths::ReadBack);
+        let (result, _) = run(
+            &client,
+            &s,
+            &d,
+            dtype,
+            Splits::Exactly(2),
+            Lengths::ReadBack,
+        );
         let result = result.unwrap_or_else(|e| panic!("decode: {e} — seed {seed}"));
         outputs.push((
             page_size,
@@ -598,11 +605,205 @@ fn long_caches_are_split_within_the_loop_budget() {
     if limits.loop_iterations.is_some() {
         let (_, mut rng) = common::rng();
         let d = data(&s, FloatDtype::F32, lengths.clone(), &mut rng);
-        let (result, _) = run(&client, &s, &d, FloatDtype::F32, Splits::Exactly(1), Lengths::ReadBack);
+        let (result, _) = run(
+            &client,
+            &s,
+            &d,
+            FloatDtype::F32,
+            Splits::Exactly(1),
+            Lengths::ReadBack,
+        );
         assert!(
             matches!(result, Err(FlashError::Unavailable(_))),
             "an unsplit call past the loop budget ran"
         );
     }
     check(&client, &s, FloatDtype::F32, lengths, Splits::Auto);
+}
+
+mod op {
+    //! The Burn op `flash_attention_with_kvcache`: two decode steps on the test device and on
+    //! Flex (the composed fallback), contiguous and paged, against the oracle; the cache the
+    //! op returns carries the appended keys into the next step.
+
+    use burn::tensor::{Device, Int, Tensor, TensorData};
+    use burn_flash_attention::{
+        FlashAttentionOptions, KvCache, flash_attention_with_kvcache_and_lse,
+    };
+
+    use super::*;
+
+    fn tensor(data: &[f64], shape: [usize; 4], device: &Device) -> Tensor<4> {
+        let data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+        Tensor::from_data(TensorData::new(data, shape), device)
+    }
+
+    fn values<const D: usize>(t: Tensor<D>) -> Vec<f64> {
+        let data = t.into_data().convert::<f32>();
+        data.try_to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect()
+    }
+
+    fn ints<const D: usize>(data: Vec<i64>, shape: [usize; D], device: &Device) -> Tensor<D, Int> {
+        Tensor::from_data(TensorData::new(data, shape), device)
+    }
+
+    /// The cache of `d` (NaN past the lengths) as Burn tensors, contiguous or paged.
+    fn burn_cache(s: &Serving, d: &Data, device: &Device) -> KvCache {
+        let (b, hkv, cap) = (s.batch, s.heads_kv, s.capacity);
+        let Some(page_size) = s.page_size else {
+            return KvCache {
+                k: tensor(&d.contents.k, [b, hkv, cap, s.dim_qk], device),
+                v: tensor(&d.contents.v, [b, hkv, cap, s.dim_v], device),
+                block_table: None,
+            };
+        };
+        let client = common::client();
+        // Reuse the kernel tests' page layout, read back as host data.
+        let (k, v, _) = upload_cache(&client, s, d, FloatDtype::F32);
+        let (k, v) = (
+            download(&client, &k, FloatDtype::F32),
+            download(&client, &v, FloatDtype::F32),
+        );
+        let table: Vec<i64> = d.table.iter().map(|&x| x as i64).collect();
+        KvCache {
+            k: tensor(&k, [d.pages, page_size, hkv, s.dim_qk], device),
+            v: tensor(&v, [d.pages, page_size, hkv, s.dim_v], device),
+            block_table: Some(ints(table, [b, s.max_pages()], device)),
+        }
+    }
+
+    #[test]
+    fn flash_attention_with_kvcache_matches_the_oracle_step_after_step() {
+        let (seed, mut rng) = common::rng();
+        for device in [common::burn_device(), Device::flex()] {
+            for page_size in [None, Some(3)] {
+                let s = Serving {
+                    page_size,
+                    causal: true,
+                    ..serving(3, 4, 2, 2, 24, 32)
+                };
+                let lengths = vec![5, 0, 9];
+                // Pages for both steps are in the table from the start.
+                let d = data(
+                    &s,
+                    FloatDtype::F32,
+                    lengths.iter().map(|l| l + s.s_q).collect(),
+                    &mut rng,
+                );
+                let d = Data {
+                    lengths: lengths.clone(),
+                    ..d
+                };
+                let options = FlashAttentionOptions::default().with_causal(true);
+                let mut cache = burn_cache(&s, &d, &device);
+                let mut expected = d;
+                for step in 0..2 {
+                    let context =
+                        format!("{device:?} pages {page_size:?} step {step}, seed {seed}");
+                    let q = tensor(&expected.q, [s.batch, s.heads_q, s.s_q, s.dim_qk], &device);
+                    let k_new = tensor(
+                        &expected.new_k,
+                        [s.batch, s.heads_kv, s.s_q, s.dim_qk],
+                        &device,
+                    );
+                    let v_new = tensor(
+                        &expected.new_v,
+                        [s.batch, s.heads_kv, s.s_q, s.dim_v],
+                        &device,
+                    );
+                    let lens: Vec<i64> = expected.lengths.iter().map(|&l| l as i64).collect();
+                    let (out, lse, next) = flash_attention_with_kvcache_and_lse(
+                        q,
+                        cache,
+                        ints(lens, [s.batch], &device),
+                        Some((k_new, v_new)),
+                        options,
+                    );
+                    cache = next;
+                    let after = appended(&s, &expected);
+                    let (out, lse) = (values(out), values(lse));
+                    let (hq, hkv, cap) = (s.heads_q, s.heads_kv, s.capacity);
+                    for seq in 0..s.batch {
+                        let seq_kv = expected.lengths[seq] + s.s_q;
+                        let dims = Dims {
+                            batch: 1,
+                            heads_q: hq,
+                            heads_kv: hkv,
+                            seq_q: s.s_q,
+                            seq_kv,
+                            dim_qk: s.dim_qk,
+                            dim_v: s.dim_v,
+                        };
+                        let gather = |c: &[f64], dim: usize| -> Vec<f64> {
+                            (0..hkv)
+                                .flat_map(|h| {
+                                    c[(seq * hkv + h) * cap * dim..][..seq_kv * dim].to_vec()
+                                })
+                                .collect()
+                        };
+                        let q = &expected.q[seq * dims.q_len()..][..dims.q_len()];
+                        let (k, v) = (gather(&after.k, s.dim_qk), gather(&after.v, s.dim_v));
+                        let case = Case {
+                            causal: true,
+                            ..common::case(dims)
+                        };
+                        let want = reference::forward(&dims, &case.reference_options(), q, &k, &v);
+                        let low = naive::attention(
+                            &case,
+                            FloatDtype::F32,
+                            q,
+                            &k,
+                            &v,
+                            &vec![0.0; dims.o_len()],
+                        );
+                        let ctx = format!("sequence {seq}, {context}");
+                        assert_close(
+                            "O",
+                            &out[seq * dims.o_len()..][..dims.o_len()],
+                            &want.out,
+                            &low.out,
+                            2e-5,
+                            &ctx,
+                        );
+                        assert_close(
+                            "LSE",
+                            &lse[seq * dims.lse_len()..][..dims.lse_len()],
+                            &want.lse,
+                            &low.lse,
+                            2e-5,
+                            &ctx,
+                        );
+                    }
+                    // The next step: the appended keys are in the cache; new queries and keys.
+                    expected.contents = after;
+                    for l in expected.lengths.iter_mut() {
+                        *l += s.s_q;
+                    }
+                    expected.q = common::randn(&mut rng, expected.q.len(), FloatDtype::F32);
+                    expected.new_k = common::randn(&mut rng, expected.new_k.len(), FloatDtype::F32);
+                    expected.new_v = common::randn(&mut rng, expected.new_v.len(), FloatDtype::F32);
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "`cache_seqlens`")]
+    fn an_append_past_the_capacity_names_the_lengths() {
+        let device = common::burn_device();
+        let cache = KvCache::contiguous(1, 1, 4, [8, 8], &device);
+        let q = Tensor::<4>::zeros([1, 1, 2, 8], &device);
+        let new = Tensor::<4>::zeros([1, 1, 2, 8], &device);
+        let _ = flash_attention_with_kvcache_and_lse(
+            q,
+            cache,
+            ints(vec![3], [1], &device),
+            Some((new.clone(), new)),
+            FlashAttentionOptions::default(),
+        );
+    }
 }

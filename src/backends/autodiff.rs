@@ -9,11 +9,11 @@ use burn::backend::{
         grads::Gradients,
         ops::{Backward, Ops, OpsKind},
     },
-    tensor::FloatTensor,
+    tensor::{FloatTensor, IntTensor},
 };
 
 use crate::ops::FlashAttentionOps;
-use crate::options::FlashAttentionOptions;
+use crate::options::{DecodeOptions, FlashAttentionOptions};
 
 #[derive(Debug)]
 struct FlashAttentionBackward;
@@ -110,6 +110,41 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             Self::from_inner(dq),
             Self::from_inner(dk),
             Self::from_inner(dv),
+        )
+    }
+
+    /// Inference: the outputs and the caches are not tracked (a cache is state, not a
+    /// parameter; train with [`flash_attention`](crate::flash_attention)).
+    fn flash_attention_decode(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        cache_seqlens: IntTensor<Self>,
+        block_table: IntTensor<Self>,
+        k_new: FloatTensor<Self>,
+        v_new: FloatTensor<Self>,
+        options: DecodeOptions,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let (o, lse, k_cache, v_cache) = B::flash_attention_decode(
+            q.into_primitive(),
+            k_cache.into_primitive(),
+            v_cache.into_primitive(),
+            cache_seqlens,
+            block_table,
+            k_new.into_primitive(),
+            v_new.into_primitive(),
+            options,
+        );
+        (
+            Self::from_inner(o),
+            Self::from_inner(lse),
+            Self::from_inner(k_cache),
+            Self::from_inner(v_cache),
         )
     }
 }

@@ -1,17 +1,22 @@
 //! `CubeBackend` (CUDA, ROCm, wgpu): launches the kernels of `cubecl-flash-attention`.
 
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape};
-use burn_cubecl::{CubeBackend, kernel::into_contiguous, tensor::CubeTensor};
+use burn_cubecl::{
+    CubeBackend,
+    kernel::{cast, into_contiguous},
+    tensor::CubeTensor,
+};
 use cubecl_flash_attention::{
     DeviceTensor, FloatDtype, KernelPath,
     backward::{Saved, backward},
+    decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
     forward::forward,
 };
 
 use crate::attention::kernel_dtype;
 use crate::ops::FlashAttentionOps;
-use crate::options::FlashAttentionOptions;
+use crate::options::{DecodeOptions, FlashAttentionOptions};
 
 /// The kernel crate's view of a Burn tensor (strides kept: no copy for strided views).
 fn device_tensor(t: CubeTensor) -> DeviceTensor {
@@ -103,6 +108,64 @@ impl FlashAttentionOps for CubeBackend {
             cube_tensor(&like, grads.dq, dtype),
             cube_tensor(&like, grads.dk, dtype),
             cube_tensor(&like, grads.dv, dtype),
+        )
+    }
+
+    fn flash_attention_decode(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        cache_seqlens: IntTensor<Self>,
+        block_table: IntTensor<Self>,
+        k_new: FloatTensor<Self>,
+        v_new: FloatTensor<Self>,
+        options: DecodeOptions,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let dtype = q.dtype;
+        let client = q.client.clone();
+        let like = q.clone();
+        // The caches are written in place: a cache shared with another tensor is copied
+        // first, as any in-place Burn op does.
+        let owned = |t: CubeTensor| if t.can_mut() { t } else { t.copy() };
+        let (k_cache, v_cache) = match options.append {
+            true => (owned(k_cache), owned(v_cache)),
+            false => (k_cache, v_cache),
+        };
+        let index = |t: CubeTensor| device_tensor(cast(t, DType::I32));
+        let (seqlens, table) = (index(cache_seqlens), index(block_table));
+        let (k, v) = (
+            device_tensor(k_cache.clone()),
+            device_tensor(v_cache.clone()),
+        );
+        let (k_new, v_new) = (device_tensor(k_new), device_tensor(v_new));
+        let result = decode(
+            &client,
+            DecodeInputs {
+                q: &device_tensor(q),
+                cache: KvCache {
+                    k: &k,
+                    v: &v,
+                    block_table: options.paged.then_some(&table),
+                },
+                cache_seqlens: &seqlens,
+                new: options.append.then_some((&k_new, &v_new)),
+                lengths: Lengths::Known(&options.lengths),
+            },
+            float_dtype(dtype),
+            options.attention.kernel_options(),
+            Splits::Auto,
+        )
+        .unwrap_or_else(|e| panic!("flash_attention_with_kvcache: {e}"));
+        (
+            cube_tensor(&like, result.out, dtype),
+            cube_tensor(&like, result.lse, DType::F32),
+            k_cache,
+            v_cache,
         )
     }
 }

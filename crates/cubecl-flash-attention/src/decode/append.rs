@@ -28,7 +28,14 @@ pub fn append_to_cache<F: Float>(
     let page_size = page_size as usize;
     let mut token = CUBE_POS_X as usize;
     while token < tokens {
-        let slot = cache_slot(table, table.stride(0), batch, length + token, page_size, paged);
+        let slot = cache_slot(
+            table,
+            table.stride(0),
+            batch,
+            length + token,
+            page_size,
+            paged,
+        );
         let to = slot.block * cache.stride(0) + head * cache.stride(1) + slot.row * cache.stride(2);
         let from = batch * new.stride(0) + head * new.stride(1) + token * new.stride(2);
         let col_stride = cache.stride(3);

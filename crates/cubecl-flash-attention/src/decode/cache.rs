@@ -75,15 +75,15 @@ pub fn load_cache_block<F: Float>(
         #[unroll]
         for step in 0..steps {
             regs[step] = load_cache_value(
-                t, rows_of, table, table_row, batch, head, first, end, page_size, step, rows,
-                dim, units, paged,
+                t, rows_of, table, table_row, batch, head, first, end, page_size, step, rows, dim,
+                units, paged,
             );
         }
     } else {
         for step in 0..steps {
             regs[step] = load_cache_value(
-                t, rows_of, table, table_row, batch, head, first, end, page_size, step, rows,
-                dim, units, paged,
+                t, rows_of, table, table_row, batch, head, first, end, page_size, step, rows, dim,
+                units, paged,
             );
         }
     }

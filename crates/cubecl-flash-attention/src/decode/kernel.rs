@@ -207,29 +207,97 @@ pub fn flash_decode<F: Float>(
     let mut v_next = Array::<F>::new(comptime!(config.loads_per_unit(dim_v)));
     let first_key = usize::cast_from(blocks.start(0, block_kv));
     load_cache_block(
-        k, k_rows, table, table_row, batch, head_kv, first_key, end_u, page_size, &mut k_next,
-        block_kv, dim_qk, units, config.paged, config.unrolled,
+        k,
+        k_rows,
+        table,
+        table_row,
+        batch,
+        head_kv,
+        first_key,
+        end_u,
+        page_size,
+        &mut k_next,
+        block_kv,
+        dim_qk,
+        units,
+        config.paged,
+        config.unrolled,
     );
     load_cache_block(
-        v, v_rows, table, table_row, batch, head_kv, first_key, end_u, page_size, &mut v_next,
-        block_kv, dim_v, units, config.paged, config.unrolled,
+        v,
+        v_rows,
+        table,
+        table_row,
+        batch,
+        head_kv,
+        first_key,
+        end_u,
+        page_size,
+        &mut v_next,
+        block_kv,
+        dim_v,
+        units,
+        config.paged,
+        config.unrolled,
     );
 
     for b in 0..blocks.count {
         let k0 = blocks.start(b, block_kv);
         sync_cube();
-        store_block(&k_next, &mut k_tile, block_kv, dim_qk, key_stride, units, config.unrolled);
-        store_block(&v_next, &mut v_tile, block_kv, dim_v, dim_v, units, config.unrolled);
+        store_block(
+            &k_next,
+            &mut k_tile,
+            block_kv,
+            dim_qk,
+            key_stride,
+            units,
+            config.unrolled,
+        );
+        store_block(
+            &v_next,
+            &mut v_tile,
+            block_kv,
+            dim_v,
+            dim_v,
+            units,
+            config.unrolled,
+        );
         sync_cube();
         if b + 1 < blocks.count {
             let next = usize::cast_from(blocks.start(b + 1, block_kv));
             load_cache_block(
-                k, k_rows, table, table_row, batch, head_kv, next, end_u, page_size,
-                &mut k_next, block_kv, dim_qk, units, config.paged, config.unrolled,
+                k,
+                k_rows,
+                table,
+                table_row,
+                batch,
+                head_kv,
+                next,
+                end_u,
+                page_size,
+                &mut k_next,
+                block_kv,
+                dim_qk,
+                units,
+                config.paged,
+                config.unrolled,
             );
             load_cache_block(
-                v, v_rows, table, table_row, batch, head_kv, next, end_u, page_size,
-                &mut v_next, block_kv, dim_v, units, config.paged, config.unrolled,
+                v,
+                v_rows,
+                table,
+                table_row,
+                batch,
+                head_kv,
+                next,
+                end_u,
+                page_size,
+                &mut v_next,
+                block_kv,
+                dim_v,
+                units,
+                config.paged,
+                config.unrolled,
             );
         }
 

@@ -104,19 +104,32 @@ pub struct CacheGeometry {
 }
 
 fn shape_error(arg: &'static str, t: &DeviceTensor, expected: String) -> FlashError {
+    shape_error_of(arg, &t.shape, expected)
+}
+
+fn shape_error_of(arg: &'static str, shape: &[usize], expected: String) -> FlashError {
     FlashError::Shape {
         arg,
-        shape: t.shape.clone(),
+        shape: shape.to_vec(),
         expected,
     }
 }
 
 fn rank(arg: &'static str, t: &DeviceTensor, dims: usize, layout: &str) -> Result<(), FlashError> {
-    match t.shape.len() == dims {
+    rank_of(arg, &t.shape, dims, layout)
+}
+
+fn rank_of(
+    arg: &'static str,
+    shape: &[usize],
+    dims: usize,
+    layout: &str,
+) -> Result<(), FlashError> {
+    match shape.len() == dims {
         true => Ok(()),
-        false => Err(shape_error(
+        false => Err(shape_error_of(
             arg,
-            t,
+            shape,
             format!("expected rank {dims}, {layout}"),
         )),
     }
@@ -125,31 +138,46 @@ fn rank(arg: &'static str, t: &DeviceTensor, dims: usize, layout: &str) -> Resul
 impl CacheGeometry {
     /// Checks the cache's tensors against each other and against `batch` sequences.
     pub fn new(cache: &KvCache, batch: usize) -> Result<Self, FlashError> {
-        let (k, v) = (cache.k, cache.v);
-        let layout = match cache.block_table {
+        Self::from_shapes(
+            &cache.k.shape,
+            &cache.v.shape,
+            cache.block_table.map(|t| &t.shape[..]),
+            batch,
+        )
+    }
+
+    /// [`CacheGeometry::new`] from the shapes of the keys, the values and the block table
+    /// (`None` for a contiguous cache).
+    pub fn from_shapes(
+        k: &[usize],
+        v: &[usize],
+        table: Option<&[usize]>,
+        batch: usize,
+    ) -> Result<Self, FlashError> {
+        let layout = match table {
             None => "[batch, heads_kv, capacity, dim]",
             Some(_) => "[pages, page_size, heads_kv, dim]",
         };
-        rank("k_cache", k, 4, layout)?;
-        rank("v_cache", v, 4, layout)?;
-        let [blocks, a, b, dim_qk] = k.shape[..] else {
+        rank_of("k_cache", k, 4, layout)?;
+        rank_of("v_cache", v, 4, layout)?;
+        let [blocks, a, b, dim_qk] = k[..] else {
             unreachable!()
         };
-        if v.shape[..3] != k.shape[..3] {
-            return Err(shape_error(
+        if v[..3] != k[..3] {
+            return Err(shape_error_of(
                 "v_cache",
                 v,
                 format!(
                     "expected {:?} followed by d_v (the sizes of `k_cache`)",
-                    &k.shape[..3]
+                    &k[..3]
                 ),
             ));
         }
-        let dim_v = v.shape[3];
-        let geometry = match cache.block_table {
+        let dim_v = v[3];
+        let geometry = match table {
             None => {
                 if blocks != batch {
-                    return Err(shape_error(
+                    return Err(shape_error_of(
                         "k_cache",
                         k,
                         format!(
@@ -168,16 +196,16 @@ impl CacheGeometry {
                 }
             }
             Some(table) => {
-                rank("block_table", table, 2, "[batch, max_pages]")?;
-                if table.shape[0] != batch {
-                    return Err(shape_error(
+                rank_of("block_table", table, 2, "[batch, max_pages]")?;
+                if table[0] != batch {
+                    return Err(shape_error_of(
                         "block_table",
                         table,
                         format!("expected [{batch}, max_pages] (one row per sequence)"),
                     ));
                 }
                 if a == 0 {
-                    return Err(shape_error(
+                    return Err(shape_error_of(
                         "k_cache",
                         k,
                         "pages must hold at least one position".into(),
@@ -186,7 +214,7 @@ impl CacheGeometry {
                 Self {
                     batch,
                     heads_kv: b,
-                    capacity: table.shape[1] * a,
+                    capacity: table[1] * a,
                     page_size: Some(a),
                     blocks,
                     dim_qk,
@@ -195,6 +223,96 @@ impl CacheGeometry {
             }
         };
         Ok(geometry)
+    }
+
+    /// Checks new keys and values (shapes `k`, `v`) against the cache; returns `s_new`.
+    pub fn check_new(&self, k: &[usize], v: &[usize]) -> Result<usize, FlashError> {
+        rank_of("k", k, 4, "[batch, heads_kv, s_new, d_qk]")?;
+        let s_new = k[2];
+        let (b, h) = (self.batch, self.heads_kv);
+        for (arg, shape, expected) in [
+            ("k", k, [b, h, s_new, self.dim_qk]),
+            ("v", v, [b, h, s_new, self.dim_v]),
+        ] {
+            if shape != expected {
+                return Err(shape_error_of(
+                    arg,
+                    shape,
+                    format!("expected {expected:?} (batch, heads and head dim of the cache)"),
+                ));
+            }
+        }
+        Ok(s_new)
+    }
+
+    /// The attention problem of `q` (shape `q`) against this cache, options checked.
+    pub fn problem(
+        &self,
+        q: &[usize],
+        dtype: FloatDtype,
+        options: AttentionOptions,
+    ) -> Result<AttentionProblem, FlashError> {
+        rank_of("query", q, 4, "[batch, heads_q, s_q, d_qk]")?;
+        AttentionProblem::new(
+            q,
+            &[self.batch, self.heads_kv, self.capacity, self.dim_qk],
+            &[self.batch, self.heads_kv, self.capacity, self.dim_v],
+            dtype,
+            options,
+        )
+    }
+
+    /// Checks each sequence's length (`cache_seqlens`): at least 0 and, with `s_new` new
+    /// positions, at most the capacity; and, given the block table (`[batch, max_pages]`,
+    /// row-major), that every page a sequence uses names a page of the cache. Returns the
+    /// lengths.
+    pub fn check_lengths(
+        &self,
+        lengths: &[i64],
+        s_new: usize,
+        table: Option<&[i64]>,
+    ) -> Result<Vec<usize>, FlashError> {
+        if lengths.len() != self.batch {
+            return Err(FlashError::Option {
+                arg: "cache_seqlens",
+                expected: format!(
+                    "{} lengths (one per sequence), got {}",
+                    self.batch,
+                    lengths.len()
+                ),
+            });
+        }
+        for (b, &len) in lengths.iter().enumerate() {
+            if len < 0 || len + s_new as i64 > self.capacity as i64 {
+                return Err(FlashError::Option {
+                    arg: "cache_seqlens",
+                    expected: format!(
+                        "sequence {b} holds {len} positions and appends {s_new}: lengths must be \
+                         at least 0 and with the new keys at most the cache's capacity of {}",
+                        self.capacity
+                    ),
+                });
+            }
+        }
+        if let (Some(table), Some(page_size)) = (table, self.page_size) {
+            let max_pages = self.capacity / page_size;
+            for (b, &len) in lengths.iter().enumerate() {
+                let used = (len as usize + s_new).div_ceil(page_size);
+                for (p, &page) in table[b * max_pages..][..used].iter().enumerate() {
+                    if page < 0 || page as usize >= self.blocks {
+                        return Err(FlashError::Option {
+                            arg: "block_table",
+                            expected: format!(
+                                "sequence {b} uses its page {p}, whose entry is {page}: entries \
+                                 must name one of the cache's {} pages",
+                                self.blocks
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(lengths.iter().map(|&l| l as usize).collect())
     }
 
     /// `t` as the kernels read it, `[blocks, heads_kv, rows, d]`.
@@ -231,9 +349,8 @@ fn read_i32(client: &Client, t: &DeviceTensor) -> Vec<i32> {
         .collect()
 }
 
-/// Checks the lengths (and pages) every sequence will use: `cache_seqlens[b] + s_new` fits
-/// the capacity, every page a sequence uses exists. Returns the longest sequence after the
-/// append.
+/// Checks the lengths (and pages) every sequence will use, reading them back unless the
+/// caller knows them; returns the longest sequence after the append.
 fn check_lengths(
     client: &Client,
     inputs: &DecodeInputs,
@@ -248,78 +365,31 @@ fn check_lengths(
             format!("expected [{}] (one length per sequence)", geometry.batch),
         ));
     }
-    let lengths: Vec<i64> = match inputs.lengths {
-        Lengths::ReadBack => read_i32(client, t).into_iter().map(i64::from).collect(),
-        Lengths::Known(lengths) if lengths.len() == geometry.batch => {
-            lengths.iter().map(|&l| l as i64).collect()
+    let lengths = match inputs.lengths {
+        Lengths::ReadBack => {
+            let lengths: Vec<i64> = read_i32(client, t).into_iter().map(i64::from).collect();
+            let table = inputs.cache.block_table.map(|table| {
+                read_i32(client, table)
+                    .into_iter()
+                    .map(i64::from)
+                    .collect::<Vec<_>>()
+            });
+            geometry.check_lengths(&lengths, s_new, table.as_deref())?
         }
         Lengths::Known(lengths) => {
-            return Err(FlashError::Option {
-                arg: "lengths",
-                expected: format!("{} lengths (one per sequence), got {}", geometry.batch, lengths.len()),
-            });
+            let lengths: Vec<i64> = lengths.iter().map(|&l| l as i64).collect();
+            geometry.check_lengths(&lengths, s_new, None)?
         }
     };
-    let mut longest = 0;
-    for (b, &len) in lengths.iter().enumerate() {
-        let total = len + s_new as i64;
-        if len < 0 || total > geometry.capacity as i64 {
-            return Err(FlashError::Option {
-                arg: "cache_seqlens",
-                expected: format!(
-                    "sequence {b} holds {len} positions and appends {s_new}: lengths must be \
-                     at least 0 and with the new keys at most the cache's capacity of {}",
-                    geometry.capacity
-                ),
-            });
-        }
-        longest = longest.max(total as usize);
-    }
-    if let (Some(table), Some(page_size), Lengths::ReadBack) =
-        (inputs.cache.block_table, geometry.page_size, inputs.lengths)
-    {
-        let entries = read_i32(client, table);
-        let max_pages = table.shape[1];
-        for (b, &len) in lengths.iter().enumerate() {
-            let used = (len as usize + s_new).div_ceil(page_size);
-            for (p, &page) in entries[b * max_pages..][..used].iter().enumerate() {
-                if page < 0 || page as usize >= geometry.blocks {
-                    return Err(FlashError::Option {
-                        arg: "block_table",
-                        expected: format!(
-                            "sequence {b} uses its page {p}, whose entry is {page}: entries \
-                             must name one of the cache's {} pages",
-                            geometry.blocks
-                        ),
-                    });
-                }
-            }
-        }
-    }
-    Ok(longest)
+    Ok(lengths.iter().map(|l| l + s_new).max().unwrap_or(0))
 }
 
 /// Checks the new keys and values against the query and the cache; returns `s_new`.
 fn check_new(inputs: &DecodeInputs, geometry: &CacheGeometry) -> Result<usize, FlashError> {
-    let Some((k, v)) = inputs.new else {
-        return Ok(0);
-    };
-    rank("k", k, 4, "[batch, heads_kv, s_new, d_qk]")?;
-    let s_new = k.shape[2];
-    let (b, h) = (geometry.batch, geometry.heads_kv);
-    for (arg, t, expected) in [
-        ("k", k, [b, h, s_new, geometry.dim_qk]),
-        ("v", v, [b, h, s_new, geometry.dim_v]),
-    ] {
-        if t.shape != expected {
-            return Err(shape_error(
-                arg,
-                t,
-                format!("expected {expected:?} (batch, heads and head dim of the cache)"),
-            ));
-        }
+    match inputs.new {
+        Some((k, v)) => geometry.check_new(&k.shape, &v.shape),
+        None => Ok(0),
     }
-    Ok(s_new)
 }
 
 /// The decode kernel's tiles for `problem` on this device.
@@ -338,7 +408,10 @@ pub fn decode_config(
         let (u, b) = v.split_once(',')?;
         Some((u.parse().ok()?, b.parse().ok()?))
     });
-    let units = tiles.map_or(UNITS, |t| t.0).min(limits.max_units_per_cube).max(1);
+    let units = tiles
+        .map_or(UNITS, |t| t.0)
+        .min(limits.max_units_per_cube)
+        .max(1);
     let packed = problem.group_size() * problem.seq_q;
     let rows = packed.next_power_of_two().min(MAX_ROWS).min(units);
     let config = |block_kv: usize| DecodeConfig {
@@ -361,7 +434,9 @@ pub fn decode_config(
     if let Some((_, block_kv)) = tiles {
         return Ok(config(block_kv)).and_then(|c| match fits(&c, limits.max_shared_memory) {
             true => Ok(c),
-            false => Err(FlashError::InvalidConfig(format!("FLASH_DECODE_TILES: {c:?} does not fit"))),
+            false => Err(FlashError::InvalidConfig(format!(
+                "FLASH_DECODE_TILES: {c:?} does not fit"
+            ))),
         });
     }
     // A block one plane wide, its softmax on the plane; else the largest block that fits.
@@ -400,23 +475,7 @@ pub fn decode(
     let q = inputs.q;
     rank("query", q, 4, "[batch, heads_q, s_q, d_qk]")?;
     let geometry = CacheGeometry::new(&inputs.cache, q.shape[0])?;
-    let problem = AttentionProblem::new(
-        &q.shape,
-        &[
-            geometry.batch,
-            geometry.heads_kv,
-            geometry.capacity,
-            geometry.dim_qk,
-        ],
-        &[
-            geometry.batch,
-            geometry.heads_kv,
-            geometry.capacity,
-            geometry.dim_v,
-        ],
-        dtype,
-        options,
-    )?;
+    let problem = geometry.problem(&q.shape, dtype, options)?;
     check_dtype(client, dtype)?;
     let s_new = check_new(&inputs, &geometry)?;
     let longest = check_lengths(client, &inputs, &geometry, s_new)?;
@@ -441,7 +500,10 @@ pub fn decode(
             return Err(shape_error(
                 arg,
                 t,
-                format!("its head dim must be contiguous (stride 1), got strides {:?}", t.strides),
+                format!(
+                    "its head dim must be contiguous (stride 1), got strides {:?}",
+                    t.strides
+                ),
             ));
         }
     }
@@ -449,13 +511,15 @@ pub fn decode(
         return Err(shape_error(
             "block_table",
             table,
-            format!("its rows must be contiguous (stride 1), got strides {:?}", table.strides),
+            format!(
+                "its rows must be contiguous (stride 1), got strides {:?}",
+                table.strides
+            ),
         ));
     }
     let (k_rows, v_rows) = (k.row_layout("k_cache")?, v.row_layout("v_cache")?);
-    let table_row = u32::try_from(table.strides[0]).map_err(|_| {
-        shape_error("block_table", table, "a row stride below 2^32".into())
-    })?;
+    let table_row = u32::try_from(table.strides[0])
+        .map_err(|_| shape_error("block_table", table, "a row stride below 2^32".into()))?;
 
     if let Some((k_new, v_new)) = inputs.new
         && s_new > 0
