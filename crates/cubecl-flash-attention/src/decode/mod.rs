@@ -401,6 +401,8 @@ pub fn decode_config(
 ) -> Result<DecodeConfig, FlashError> {
     const UNITS: usize = 128;
     const MAX_ROWS: usize = 32;
+    const MAX_ROWS_CPU: usize = 8;
+    const BLOCKS_CPU: [usize; 2] = [16, 8];
     const SHARED_BYTES: usize = 48 * 1024;
     const PLANE_SHARED_BYTES: usize = 100 * 1024;
     // Tuning override, for A/B runs: `FLASH_DECODE_TILES=units,block_kv`.
@@ -413,7 +415,10 @@ pub fn decode_config(
         .min(limits.max_units_per_cube)
         .max(1);
     let packed = problem.group_size() * problem.seq_q;
-    let rows = packed.next_power_of_two().min(MAX_ROWS).min(units);
+    // CPU drivers (no plane operations) compile the per-unit loops slowly: fewer rows and
+    // keys per cube there.
+    let max_rows = if limits.plane_ops { MAX_ROWS } else { MAX_ROWS_CPU };
+    let rows = packed.next_power_of_two().min(max_rows).min(units);
     let config = |block_kv: usize| DecodeConfig {
         rows,
         block_kv,
@@ -445,9 +450,13 @@ pub fn decode_config(
         return Ok(plane);
     }
     let budget = SHARED_BYTES.min(limits.max_shared_memory);
-    [64, 32, 16, 8]
-        .into_iter()
-        .map(config)
+    let blocks: &[usize] = match limits.plane_ops {
+        true => &[64, 32, 16, 8],
+        false => &BLOCKS_CPU,
+    };
+    blocks
+        .iter()
+        .map(|&block_kv| config(block_kv))
         .find(|c| fits(c, budget))
         .ok_or_else(|| {
             FlashError::InvalidConfig(format!(
