@@ -26,6 +26,9 @@ use crate::backward::{
     register_backward_config,
 };
 use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
+use crate::decode::{
+    append::append_to_cache, decode_config, kernel::flash_decode, merge::merge_by_lse,
+};
 use crate::forward::{
     flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
     register_mma_config,
@@ -438,6 +441,82 @@ fn kernels(
             )) as Box<dyn CubeKernel>
         }),
     ));
+    // Serving: the decode kernel (one new token, GQA rows packed) contiguous and unsplit,
+    // paged and split, at d = 64 and 128; the append and the merge once per dtype.
+    if matches!((problem.dim_qk, problem.dim_v), (64, 64) | (128, 128)) {
+        let decode_problem = AttentionProblem {
+            seq_q: 1,
+            ..*problem
+        };
+        for (name, paged, split) in [("decode", false, false), ("decode_paged_split", true, true)] {
+            kernels.push((
+                name,
+                decode_config(&decode_problem, limits, paged, split)
+                    .map_err(err)
+                    .map(|c| {
+                        Box::new(flash_decode::FlashDecode::new(
+                            settings(c.units),
+                            props.clone(),
+                            tprops.clone(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            row_layout(),
+                            row_layout(),
+                            tensor(),
+                            tensor(),
+                            (),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            (),
+                            (),
+                            (),
+                            (),
+                            (),
+                            (),
+                            (),
+                            c,
+                            elem,
+                        )) as Box<dyn CubeKernel>
+                    }),
+            ));
+        }
+        if problem.dim_qk == 64 && !problem.options.mask.is_masked() {
+            for (name, paged) in [("append", false), ("append_paged", true)] {
+                kernels.push((
+                    name,
+                    Ok(Box::new(append_to_cache::AppendToCache::new(
+                        settings(64),
+                        props.clone(),
+                        tprops.clone(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        (),
+                        paged,
+                        elem,
+                    ))),
+                ));
+            }
+            kernels.push((
+                "merge_by_lse",
+                Ok(Box::new(merge_by_lse::MergeByLse::new(
+                    settings(64),
+                    props.clone(),
+                    tprops.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    elem,
+                ))),
+            ));
+        }
+    }
     kernels.push((
         "backward_delta",
         Ok(Box::new(flash_backward_delta::FlashBackwardDelta::new(
