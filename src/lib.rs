@@ -33,7 +33,9 @@ mod serving;
 pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_attention};
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 pub use options::{DecodeOptions, FlashAttentionOptions};
-pub use serving::{KvCache, flash_attention_with_kvcache, flash_attention_with_kvcache_and_lse};
+pub use serving::{
+    KvCache, PagedKvCache, flash_attention_with_kvcache, flash_attention_with_kvcache_and_lse,
+};
 
 /// The kernel crate, re-exported.
 pub use cubecl_flash_attention as kernels;

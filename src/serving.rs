@@ -202,3 +202,174 @@ pub(crate) fn host_ints<const D: usize>(t: Tensor<D, Int>) -> Vec<i64> {
         .try_to_vec::<i64>()
         .expect("integer data")
 }
+
+/// A paged KV cache shared by sequences that join and leave a batch (continuous batching):
+/// a pool of pages of `page_size` positions, handed to a sequence as it grows and taken back
+/// when it leaves. The host keeps each sequence's pages and length, so a step needs no read
+/// back to know them.
+///
+/// ```no_run
+/// # use burn::tensor::{Device, Tensor};
+/// # use burn_flash_attention::{FlashAttentionOptions, PagedKvCache};
+/// # let device = Device::default();
+/// let mut cache = PagedKvCache::new(1024, 16, 8, [128, 128], 64, &device);
+/// let a = cache.add_sequence();
+/// let b = cache.add_sequence();
+/// // One decode step of both: q [2, 32, 1, 128], new k/v [2, 8, 1, 128].
+/// # let (q, k, v) = (Tensor::<4>::zeros([2, 32, 1, 128], &device), Tensor::<4>::zeros([2, 8, 1, 128], &device), Tensor::<4>::zeros([2, 8, 1, 128], &device));
+/// let out = cache.step(&[a, b], q, k, v, FlashAttentionOptions::default().with_causal(true));
+/// cache.remove_sequence(a);
+/// ```
+#[derive(Debug)]
+pub struct PagedKvCache {
+    k: Option<Tensor<4>>,
+    v: Option<Tensor<4>>,
+    page_size: usize,
+    max_pages: usize,
+    free: Vec<usize>,
+    sequences: Vec<Option<Sequence>>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Sequence {
+    pages: Vec<usize>,
+    len: usize,
+}
+
+impl PagedKvCache {
+    /// `pages` pages of `page_size` positions for `heads_kv` heads of `dims = [d_qk, d_v]`,
+    /// in the default float dtype; a sequence may hold up to `max_pages` pages.
+    pub fn new(
+        pages: usize,
+        page_size: usize,
+        heads_kv: usize,
+        dims: [usize; 2],
+        max_pages: usize,
+        device: &Device,
+    ) -> Self {
+        assert!(
+            page_size > 0,
+            "PagedKvCache: `page_size` must be at least 1"
+        );
+        let [d_qk, d_v] = dims;
+        Self {
+            k: Some(Tensor::zeros([pages, page_size, heads_kv, d_qk], device)),
+            v: Some(Tensor::zeros([pages, page_size, heads_kv, d_v], device)),
+            page_size,
+            max_pages,
+            free: (0..pages).rev().collect(),
+            sequences: Vec::new(),
+        }
+    }
+
+    /// A new empty sequence; returns its id.
+    pub fn add_sequence(&mut self) -> usize {
+        match self.sequences.iter().position(Option::is_none) {
+            Some(id) => {
+                self.sequences[id] = Some(Sequence::default());
+                id
+            }
+            None => {
+                self.sequences.push(Some(Sequence::default()));
+                self.sequences.len() - 1
+            }
+        }
+    }
+
+    /// Ends sequence `id`: its pages return to the pool.
+    pub fn remove_sequence(&mut self, id: usize) {
+        let sequence = self.sequences.get_mut(id).and_then(Option::take);
+        let sequence = sequence.unwrap_or_else(|| panic!("PagedKvCache: no sequence {id}"));
+        self.free.extend(sequence.pages);
+    }
+
+    /// Positions sequence `id` holds.
+    pub fn len(&self, id: usize) -> usize {
+        self.sequence(id).len
+    }
+
+    /// Pages not held by any sequence.
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    fn sequence(&self, id: usize) -> &Sequence {
+        self.sequences
+            .get(id)
+            .and_then(Option::as_ref)
+            .unwrap_or_else(|| panic!("PagedKvCache: no sequence {id}"))
+    }
+
+    /// One step of the sequences `ids` (in the batch order of `q`): `k_new`/`v_new` `[n,
+    /// heads_kv, s_new, d]` are appended to each (pages taken from the pool as needed), then
+    /// `q` `[n, heads_q, s_q, d_qk]` attends to each sequence's positions
+    /// ([`flash_attention_with_kvcache`]). Returns `O` `[n, heads_q, s_q, d_v]`.
+    ///
+    /// # Panics
+    /// When the pool or a sequence's `max_pages` runs out (nothing is written then), on an
+    /// unknown or repeated id, and on the op's own misuse.
+    pub fn step(
+        &mut self,
+        ids: &[usize],
+        q: Tensor<4>,
+        k_new: Tensor<4>,
+        v_new: Tensor<4>,
+        options: FlashAttentionOptions,
+    ) -> Tensor<4> {
+        let s_new = k_new.dims()[2];
+        let mut seen = std::collections::HashSet::new();
+        let mut needed = 0;
+        for &id in ids {
+            assert!(
+                seen.insert(id),
+                "PagedKvCache: sequence {id} appears twice in one step"
+            );
+            let sequence = self.sequence(id);
+            let pages = (sequence.len + s_new).div_ceil(self.page_size);
+            assert!(
+                pages <= self.max_pages,
+                "PagedKvCache: sequence {id} would hold {} positions, past its {} pages of {}",
+                sequence.len + s_new,
+                self.max_pages,
+                self.page_size
+            );
+            needed += pages.saturating_sub(sequence.pages.len());
+        }
+        assert!(
+            needed <= self.free.len(),
+            "PagedKvCache: the step needs {needed} more pages, {} are free",
+            self.free.len()
+        );
+        let mut table = vec![0i64; ids.len() * self.max_pages];
+        let mut lengths = Vec::with_capacity(ids.len());
+        for (row, &id) in ids.iter().enumerate() {
+            let page_size = self.page_size;
+            let sequence = self.sequences[id].as_mut().expect("checked above");
+            while sequence.pages.len() * page_size < sequence.len + s_new {
+                sequence.pages.push(self.free.pop().expect("checked above"));
+            }
+            for (p, &page) in sequence.pages.iter().enumerate() {
+                table[row * self.max_pages + p] = page as i64;
+            }
+            lengths.push(sequence.len as i64);
+        }
+        let device = q.device();
+        let cache = KvCache {
+            k: self.k.take().expect("the pages are present between steps"),
+            v: self.v.take().expect("the pages are present between steps"),
+            block_table: Some(Tensor::from_data(
+                TensorData::new(table, [ids.len(), self.max_pages]),
+                &device,
+            )),
+        };
+        let seqlens = Tensor::from_data(TensorData::new(lengths, [ids.len()]), &device);
+        let (out, cache) =
+            flash_attention_with_kvcache(q, cache, seqlens, Some((k_new, v_new)), options);
+        self.k = Some(cache.k);
+        self.v = Some(cache.v);
+        for &id in ids {
+            self.sequences[id].as_mut().expect("checked above").len += s_new;
+        }
+        out
+    }
+}

@@ -628,7 +628,7 @@ mod op {
 
     use burn::tensor::{Device, Int, Tensor, TensorData};
     use burn_flash_attention::{
-        FlashAttentionOptions, KvCache, flash_attention_with_kvcache_and_lse,
+        FlashAttentionOptions, KvCache, PagedKvCache, flash_attention_with_kvcache_and_lse,
     };
 
     use super::*;
@@ -805,5 +805,87 @@ mod op {
             Some((new.clone(), new)),
             FlashAttentionOptions::default(),
         );
+    }
+
+    #[test]
+    fn paged_cache_serves_sequences_that_join_and_leave() {
+        let (seed, mut rng) = common::rng();
+        let device = common::burn_device();
+        let (hq, hkv, d) = (4, 2, 16);
+        let mut cache = PagedKvCache::new(12, 3, hkv, [d, d], 6, &device);
+        let options = FlashAttentionOptions::default().with_causal(true);
+        // Every sequence's keys and values so far, [h_kv, len, d] on the host.
+        let mut history: Vec<(Vec<Vec<f64>>, Vec<Vec<f64>>)> = Vec::new();
+        let mut step = |cache: &mut PagedKvCache,
+                        history: &mut Vec<(Vec<Vec<f64>>, Vec<Vec<f64>>)>,
+                        ids: &[usize],
+                        s_new: usize| {
+            let n = ids.len();
+            let q = common::randn(&mut rng, n * hq * s_new * d, FloatDtype::F32);
+            let k = common::randn(&mut rng, n * hkv * s_new * d, FloatDtype::F32);
+            let v = common::randn(&mut rng, n * hkv * s_new * d, FloatDtype::F32);
+            let out = cache.step(
+                ids,
+                tensor(&q, [n, hq, s_new, d], &device),
+                tensor(&k, [n, hkv, s_new, d], &device),
+                tensor(&v, [n, hkv, s_new, d], &device),
+                options,
+            );
+            let out = values(out);
+            for (row, &id) in ids.iter().enumerate() {
+                if history.len() <= id {
+                    history.resize(id + 1, (vec![Vec::new(); hkv], vec![Vec::new(); hkv]));
+                }
+                let (hk, hv) = &mut history[id];
+                for h in 0..hkv {
+                    let at = ((row * hkv + h) * s_new) * d;
+                    hk[h].extend_from_slice(&k[at..at + s_new * d]);
+                    hv[h].extend_from_slice(&v[at..at + s_new * d]);
+                }
+                let seq_kv = hk[0].len() / d;
+                assert_eq!(cache.len(id), seq_kv, "length of sequence {id}");
+                let dims = Dims {
+                    batch: 1,
+                    heads_q: hq,
+                    heads_kv: hkv,
+                    seq_q: s_new,
+                    seq_kv,
+                    dim_qk: d,
+                    dim_v: d,
+                };
+                let q = &q[row * dims.q_len()..][..dims.q_len()];
+                let (k, v): (Vec<f64>, Vec<f64>) = (hk.concat(), hv.concat());
+                let case = Case {
+                    causal: true,
+                    ..common::case(dims)
+                };
+                let want = reference::forward(&dims, &case.reference_options(), q, &k, &v);
+                let low =
+                    naive::attention(&case, FloatDtype::F32, q, &k, &v, &vec![0.0; dims.o_len()]);
+                let context = format!("sequence {id} in step {ids:?} of {s_new}, seed {seed}");
+                assert_close(
+                    "O",
+                    &out[row * dims.o_len()..][..dims.o_len()],
+                    &want.out,
+                    &low.out,
+                    2e-5,
+                    &context,
+                );
+            }
+        };
+        let a = cache.add_sequence();
+        let b = cache.add_sequence();
+        step(&mut cache, &mut history, &[a], 5); // prompts of different lengths
+        step(&mut cache, &mut history, &[b], 2);
+        step(&mut cache, &mut history, &[b, a], 1); // decoding together
+        step(&mut cache, &mut history, &[a, b], 1);
+        let free = cache.free_pages();
+        cache.remove_sequence(a); // a leaves: its 3 pages return
+        assert_eq!(cache.free_pages(), free + 3);
+        let c = cache.add_sequence(); // c takes a's place
+        assert_eq!(c, a);
+        history[c] = (vec![Vec::new(); hkv], vec![Vec::new(); hkv]);
+        step(&mut cache, &mut history, &[c], 4);
+        step(&mut cache, &mut history, &[b, c], 1);
     }
 }
