@@ -593,6 +593,51 @@ fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
     decode(&client, base, dtype, s.options(), Splits::Auto).expect("a valid call after refusals");
 }
 
+/// The cache is written in place: a call with an append holds only its outputs afterwards
+/// (O and the LSE; the split's partial results are freed), never a copy of the cache.
+#[test]
+fn appends_write_the_cache_in_place() {
+    let client = common::client();
+    let (_, mut rng) = common::rng();
+    let s = serving(2, 4, 2, 1, 512, 64);
+    let dtype = FloatDtype::F32;
+    let d = data(&s, dtype, vec![100, 300], &mut rng);
+    let q = upload(&client, &d.q, &[s.batch, s.heads_q, s.s_q, s.dim_qk], dtype);
+    let (k, v, _) = upload_cache(&client, &s, &d, dtype);
+    let new_k = upload(
+        &client,
+        &d.new_k,
+        &[s.batch, s.heads_kv, 1, s.dim_qk],
+        dtype,
+    );
+    let new_v = upload(&client, &d.new_v, &[s.batch, s.heads_kv, 1, s.dim_v], dtype);
+    let seqlens = lengths_upload(&client, &d.lengths);
+    let cache_bytes = (s.batch * s.heads_kv * s.capacity * s.dim_qk * 4) as u64;
+    let outputs = (s.batch * s.heads_q * s.dim_v * 4 + s.batch * s.heads_q * 4) as u64;
+    for splits in [Splits::Exactly(1), Splits::Exactly(3)] {
+        let before = common::bytes_in_use(&client);
+        let inputs = DecodeInputs {
+            q: &q,
+            cache: KvCache {
+                k: &k,
+                v: &v,
+                block_table: None,
+            },
+            cache_seqlens: &seqlens,
+            new: Some((&new_k, &new_v)),
+            lengths: Lengths::Known(&d.lengths),
+        };
+        let result = decode(&client, inputs, dtype, s.options(), splits).expect("decode");
+        let held = common::bytes_in_use(&client) - before;
+        assert!(
+            held <= outputs + 2 * 512 && held < cache_bytes,
+            "{splits:?}: the call holds {held} bytes; O + LSE are {outputs}, a cache {cache_bytes}"
+        );
+        eprintln!("{splits:?}: +{held} B held (O + LSE = {outputs} B; one cache {cache_bytes} B)");
+        drop(result);
+    }
+}
+
 #[test]
 fn long_caches_are_split_within_the_loop_budget() {
     // On lavapipe one cube would pass the driver's loop budget over 20 000 keys

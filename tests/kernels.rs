@@ -592,14 +592,6 @@ fn the_register_path_refuses_what_it_cannot_read() {
     }
 }
 
-fn bytes_in_use(client: &Client) -> u64 {
-    cubecl::future::block_on(client.sync()).expect("device synced");
-    client
-        .memory_report(cubecl::MemoryScope::Device)
-        .usage()
-        .bytes_in_use
-}
-
 /// Extra device memory of the calls, on every path of the device: the forward holds O and
 /// the LSE and nothing else; the backward holds dQ, dK and dV, its transient D
 /// (`[b, h_q, s_q]` f32) freed; no `s × s` buffer anywhere.
@@ -622,9 +614,9 @@ fn calls_allocate_only_their_outputs() {
     // Allocations may be rounded up to the device's alignment.
     let slack = |n: u64| n * 512;
     for path in common::paths(&client, dtype) {
-        let before = bytes_in_use(&client);
+        let before = common::bytes_in_use(&client);
         let fwd = forward(&client, &q, &k, &v, dtype, case.options(), path).unwrap();
-        let after_forward = bytes_in_use(&client);
+        let after_forward = common::bytes_in_use(&client);
         let want = size(&os, dtype.size()) + size(&os[..3], 4);
         let got = after_forward - before;
         assert!(
@@ -639,7 +631,7 @@ fn calls_allocate_only_their_outputs() {
             lse: &fwd.lse,
         };
         let grads = backward(&client, saved, &d_out, dtype, case.options(), path).unwrap();
-        let got = bytes_in_use(&client) - after_forward;
+        let got = common::bytes_in_use(&client) - after_forward;
         let want = size(&qs, dtype.size()) + size(&ks, dtype.size()) + size(&vs, dtype.size());
         assert!(
             (want..=want + slack(3)).contains(&got),

@@ -434,3 +434,12 @@ pub fn assert_close(
         "{what}: max error {err:.3e} > bound {bound:.3e} (naive-in-dtype error {naive_err:.3e}) — {context}"
     );
 }
+
+/// Device memory in use once the queued work is done (CubeCL's memory report).
+pub fn bytes_in_use(client: &Client) -> u64 {
+    cubecl::future::block_on(client.sync()).expect("device synced");
+    client
+        .memory_report(cubecl::MemoryScope::Device)
+        .usage()
+        .bytes_in_use
+}
