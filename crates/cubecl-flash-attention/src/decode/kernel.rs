@@ -26,7 +26,7 @@ use super::cache::{load_cache_block, store_block};
 use crate::mask::{Blocks, Mask};
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability};
-use crate::tile::{RowLayout, dot_shared, dot_staged};
+use crate::tile::{RowLayout, dot_shared};
 
 /// The compile-time configuration of one decode kernel variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -183,18 +183,6 @@ pub fn flash_decode<F: Float>(
         }
     }
 
-    // With one score pair per unit (on GPUs), the unit's query row lives in registers.
-    let q_in_registers = comptime!(config.unrolled && config.pairs_per_unit() == 1);
-    let mut q_row = Array::<f32>::new(dim_qk);
-    if comptime!(q_in_registers) {
-        sync_cube();
-        let r = min(UNIT_POS as usize / block_kv, rows - 1);
-        #[unroll]
-        for c in 0..dim_qk {
-            q_row[c] = q_tile[r * dim_qk + c];
-        }
-    }
-
     let outputs = comptime!(config.outputs_per_unit());
     let mut acc = Array::<f32>::new(outputs);
     #[unroll]
@@ -322,26 +310,15 @@ pub fn flash_decode<F: Float>(
             let r = idx / block_kv;
             let j = idx % block_kv;
             let in_block = idx < rows * block_kv;
-            let dot = if comptime!(q_in_registers) {
-                dot_staged(
-                    &q_row,
-                    &k_tile,
-                    j * key_stride,
-                    q.shape(3),
-                    dim_qk,
-                    config.columns,
-                )
-            } else {
-                dot_shared(
-                    &q_tile,
-                    min(r, rows - 1) * dim_qk,
-                    &k_tile,
-                    j * key_stride,
-                    q.shape(3),
-                    dim_qk,
-                    config.columns,
-                )
-            };
+            let dot = dot_shared(
+                &q_tile,
+                min(r, rows - 1) * dim_qk,
+                &k_tile,
+                j * key_stride,
+                q.shape(3),
+                dim_qk,
+                config.columns,
+            );
             let key = k0 + i32::cast_from(j);
             let packed_row = first_row + r;
             let mut visible = in_block && key < end && packed_row < packed;
@@ -397,40 +374,17 @@ pub fn flash_decode<F: Float>(
         }
 
         // O ← α·O + P·V, each unit on its (row, column) outputs.
-        if comptime!(units.is_multiple_of(dim_v)) {
-            // Every output of this unit lies in one column: each staged value of V is read
-            // once for all of them.
-            let c = UNIT_POS as usize % dim_v;
-            #[unroll]
-            for t in 0..outputs {
-                let r = (t * units + UNIT_POS as usize) / dim_v;
-                if r < rows {
-                    acc[t] *= row_factor[r];
+        #[unroll]
+        for t in 0..outputs {
+            let idx = t * units + UNIT_POS as usize;
+            if idx < rows * dim_v {
+                let r = idx / dim_v;
+                let c = idx % dim_v;
+                let mut o = acc[t] * row_factor[r];
+                for j in 0..block_kv {
+                    o += p_tile[r * block_kv + j] * v_tile[j * dim_v + c];
                 }
-            }
-            for j in 0..block_kv {
-                let value = v_tile[j * dim_v + c];
-                #[unroll]
-                for t in 0..outputs {
-                    let r = (t * units + UNIT_POS as usize) / dim_v;
-                    if r < rows {
-                        acc[t] += p_tile[r * block_kv + j] * value;
-                    }
-                }
-            }
-        } else {
-            #[unroll]
-            for t in 0..outputs {
-                let idx = t * units + UNIT_POS as usize;
-                if idx < rows * dim_v {
-                    let r = idx / dim_v;
-                    let c = idx % dim_v;
-                    let mut o = acc[t] * row_factor[r];
-                    for j in 0..block_kv {
-                        o += p_tile[r * block_kv + j] * v_tile[j * dim_v + c];
-                    }
-                    acc[t] = o;
-                }
+                acc[t] = o;
             }
         }
     }

@@ -410,14 +410,8 @@ pub fn decode_config(
         let (u, b) = v.split_once(',')?;
         Some((u.parse().ok()?, b.parse().ok()?))
     });
-    // A GPU cube of one score pair per unit where that fits in 256 units (the query row then
-    // lives in registers), else 128.
-    let packed_rows = (problem.group_size() * problem.seq_q)
-        .next_power_of_two()
-        .min(MAX_ROWS);
-    let gpu_units = (packed_rows * limits.plane_size).clamp(UNITS, 2 * UNITS);
     let units = tiles
-        .map_or(if limits.plane_ops { gpu_units } else { UNITS }, |t| t.0)
+        .map_or(UNITS, |t| t.0)
         .min(limits.max_units_per_cube)
         .max(1);
     let packed = problem.group_size() * problem.seq_q;
