@@ -287,6 +287,74 @@ fn same(a: &[f64], b: &[f64]) -> bool {
             .all(|(x, y)| x == y || (x.is_nan() && y.is_nan()))
 }
 
+/// Checks the outputs `out` `[b, h_q, s_q, d_v]` and `lse` `[b, h_q, s_q]` of a call on the
+/// sequences of `s` against the oracle: `q` the queries of every sequence, `k_of(seq)` /
+/// `v_of(seq)` a sequence's keys and values `[h_kv, seq_kv, d]` as attended. Rows that see
+/// no key must give O = 0 and LSE = −∞ exactly.
+#[allow(clippy::too_many_arguments)]
+fn check_sequences(
+    s: &Serving,
+    dtype: FloatDtype,
+    q: &[f64],
+    k_of: impl Fn(usize) -> Vec<f64>,
+    v_of: impl Fn(usize) -> Vec<f64>,
+    out: &[f64],
+    lse: Option<&[f64]>,
+    context: &str,
+) {
+    for seq in 0..s.batch {
+        let (k, v) = (k_of(seq), v_of(seq));
+        let dims = Dims {
+            batch: 1,
+            heads_q: s.heads_q,
+            heads_kv: s.heads_kv,
+            seq_q: s.s_q,
+            seq_kv: k.len() / (s.heads_kv * s.dim_qk),
+            dim_qk: s.dim_qk,
+            dim_v: s.dim_v,
+        };
+        let q = &q[seq * dims.q_len()..][..dims.q_len()];
+        let case = Case {
+            causal: s.causal,
+            window: s.window,
+            softcap: s.softcap,
+            ..common::case(dims)
+        };
+        let want = reference::forward(&dims, &case.reference_options(), q, &k, &v);
+        let low = naive::attention(&case, dtype, q, &k, &v, &vec![0.0; dims.o_len()]);
+        let got_out = &out[seq * dims.o_len()..][..dims.o_len()];
+        let context = format!("sequence {seq} — {context}");
+        assert_close("O", got_out, &want.out, &low.out, 2e-5, &context);
+        let Some(lse) = lse else {
+            continue;
+        };
+        let got_lse = &lse[seq * dims.lse_len()..][..dims.lse_len()];
+        assert_close("LSE", got_lse, &want.lse, &low.lse, 2e-5, &context);
+        for (row, &l) in want.lse.iter().enumerate() {
+            if l == f64::NEG_INFINITY {
+                assert_eq!(
+                    got_lse[row],
+                    f64::NEG_INFINITY,
+                    "LSE of row {row} — {context}"
+                );
+                let o = &got_out[row * s.dim_v..][..s.dim_v];
+                assert!(
+                    o.iter().all(|&x| x == 0.0),
+                    "O of row {row}: {o:?} — {context}"
+                );
+            }
+        }
+    }
+}
+
+/// A sequence's first `len` positions of a logical cache `[b, h_kv, capacity, dim]`.
+fn positions(s: &Serving, cache: &[f64], seq: usize, len: usize, dim: usize) -> Vec<f64> {
+    let (hkv, cap) = (s.heads_kv, s.capacity);
+    (0..hkv)
+        .flat_map(|h| cache[(seq * hkv + h) * cap * dim..][..len * dim].to_vec())
+        .collect()
+}
+
 /// Checks one decode call against the oracle, sequence by sequence, and the cache against
 /// the expected append.
 fn check(client: &Client, s: &Serving, dtype: FloatDtype, lengths: Vec<usize>, splits: Splits) {
@@ -311,53 +379,17 @@ fn check(client: &Client, s: &Serving, dtype: FloatDtype, lengths: Vec<usize>, s
     let out = download(client, &result.out, dtype);
     let lse = download(client, &result.lse, FloatDtype::F32);
 
-    let (hq, hkv, cap) = (s.heads_q, s.heads_kv, s.capacity);
-    for seq in 0..s.batch {
-        let seq_kv = d.lengths[seq] + s.s_new();
-        let dims = Dims {
-            batch: 1,
-            heads_q: hq,
-            heads_kv: hkv,
-            seq_q: s.s_q,
-            seq_kv,
-            dim_qk: s.dim_qk,
-            dim_v: s.dim_v,
-        };
-        let gather = |cache: &[f64], dim: usize| -> Vec<f64> {
-            (0..hkv)
-                .flat_map(|h| cache[(seq * hkv + h) * cap * dim..][..seq_kv * dim].to_vec())
-                .collect()
-        };
-        let q = &d.q[seq * dims.q_len()..][..dims.q_len()];
-        let (k, v) = (gather(&after.k, s.dim_qk), gather(&after.v, s.dim_v));
-        let case = Case {
-            causal: s.causal,
-            window: s.window,
-            softcap: s.softcap,
-            ..common::case(dims)
-        };
-        let want = reference::forward(&dims, &case.reference_options(), q, &k, &v);
-        let low = naive::attention(&case, dtype, q, &k, &v, &vec![0.0; dims.o_len()]);
-        let got_out = &out[seq * dims.o_len()..][..dims.o_len()];
-        let got_lse = &lse[seq * dims.lse_len()..][..dims.lse_len()];
-        let context = format!("sequence {seq} — {context}");
-        assert_close("O", got_out, &want.out, &low.out, 2e-5, &context);
-        assert_close("LSE", got_lse, &want.lse, &low.lse, 2e-5, &context);
-        for (row, &l) in want.lse.iter().enumerate() {
-            if l == f64::NEG_INFINITY {
-                assert_eq!(
-                    got_lse[row],
-                    f64::NEG_INFINITY,
-                    "LSE of row {row} — {context}"
-                );
-                let o = &got_out[row * s.dim_v..][..s.dim_v];
-                assert!(
-                    o.iter().all(|&x| x == 0.0),
-                    "O of row {row}: {o:?} — {context}"
-                );
-            }
-        }
-    }
+    let len = |seq: usize| d.lengths[seq] + s.s_new();
+    check_sequences(
+        s,
+        dtype,
+        &d.q,
+        |seq| positions(s, &after.k, seq, len(seq), s.dim_qk),
+        |seq| positions(s, &after.v, seq, len(seq), s.dim_v),
+        &out,
+        Some(&lse),
+        &context,
+    );
     eprintln!(
         "decode {s:?} {dtype:?} {splits:?} (ran {} splits): ok",
         result.splits
@@ -771,58 +803,17 @@ mod op {
                     cache = next;
                     let after = appended(&s, &expected);
                     let (out, lse) = (values(out), values(lse));
-                    let (hq, hkv, cap) = (s.heads_q, s.heads_kv, s.capacity);
-                    for seq in 0..s.batch {
-                        let seq_kv = expected.lengths[seq] + s.s_q;
-                        let dims = Dims {
-                            batch: 1,
-                            heads_q: hq,
-                            heads_kv: hkv,
-                            seq_q: s.s_q,
-                            seq_kv,
-                            dim_qk: s.dim_qk,
-                            dim_v: s.dim_v,
-                        };
-                        let gather = |c: &[f64], dim: usize| -> Vec<f64> {
-                            (0..hkv)
-                                .flat_map(|h| {
-                                    c[(seq * hkv + h) * cap * dim..][..seq_kv * dim].to_vec()
-                                })
-                                .collect()
-                        };
-                        let q = &expected.q[seq * dims.q_len()..][..dims.q_len()];
-                        let (k, v) = (gather(&after.k, s.dim_qk), gather(&after.v, s.dim_v));
-                        let case = Case {
-                            causal: true,
-                            ..common::case(dims)
-                        };
-                        let want = reference::forward(&dims, &case.reference_options(), q, &k, &v);
-                        let low = naive::attention(
-                            &case,
-                            FloatDtype::F32,
-                            q,
-                            &k,
-                            &v,
-                            &vec![0.0; dims.o_len()],
-                        );
-                        let ctx = format!("sequence {seq}, {context}");
-                        assert_close(
-                            "O",
-                            &out[seq * dims.o_len()..][..dims.o_len()],
-                            &want.out,
-                            &low.out,
-                            2e-5,
-                            &ctx,
-                        );
-                        assert_close(
-                            "LSE",
-                            &lse[seq * dims.lse_len()..][..dims.lse_len()],
-                            &want.lse,
-                            &low.lse,
-                            2e-5,
-                            &ctx,
-                        );
-                    }
+                    let len = |seq: usize| expected.lengths[seq] + s.s_q;
+                    check_sequences(
+                        &s,
+                        FloatDtype::F32,
+                        &expected.q,
+                        |seq| positions(&s, &after.k, seq, len(seq), s.dim_qk),
+                        |seq| positions(&s, &after.v, seq, len(seq), s.dim_v),
+                        &out,
+                        Some(&lse),
+                        &context,
+                    );
                     // The next step: the appended keys are in the cache; new queries and keys.
                     expected.contents = after;
                     for l in expected.lengths.iter_mut() {
@@ -887,36 +878,25 @@ mod op {
                     hk[h].extend_from_slice(&k[at..at + s_new * d]);
                     hv[h].extend_from_slice(&v[at..at + s_new * d]);
                 }
-                let seq_kv = hk[0].len() / d;
-                assert_eq!(cache.len(id), seq_kv, "length of sequence {id}");
-                let dims = Dims {
-                    batch: 1,
-                    heads_q: hq,
-                    heads_kv: hkv,
-                    seq_q: s_new,
-                    seq_kv,
-                    dim_qk: d,
-                    dim_v: d,
-                };
-                let q = &q[row * dims.q_len()..][..dims.q_len()];
-                let (k, v): (Vec<f64>, Vec<f64>) = (hk.concat(), hv.concat());
-                let case = Case {
-                    causal: true,
-                    ..common::case(dims)
-                };
-                let want = reference::forward(&dims, &case.reference_options(), q, &k, &v);
-                let low =
-                    naive::attention(&case, FloatDtype::F32, q, &k, &v, &vec![0.0; dims.o_len()]);
-                let context = format!("sequence {id} in step {ids:?} of {s_new}, seed {seed}");
-                assert_close(
-                    "O",
-                    &out[row * dims.o_len()..][..dims.o_len()],
-                    &want.out,
-                    &low.out,
-                    2e-5,
-                    &context,
-                );
+                assert_eq!(cache.len(id), hk[0].len() / d, "length of sequence {id}");
             }
+            let batch = Serving {
+                causal: true,
+                ..serving(n, hq, hkv, s_new, 0, d)
+            };
+            let keys = |row: usize| history[ids[row]].0.concat();
+            let values_of = |row: usize| history[ids[row]].1.concat();
+            let context = format!("step {ids:?} of {s_new}, seed {seed}");
+            check_sequences(
+                &batch,
+                FloatDtype::F32,
+                &q,
+                keys,
+                values_of,
+                &out,
+                None,
+                &context,
+            );
         };
         let a = cache.add_sequence();
         let b = cache.add_sequence();

@@ -206,25 +206,10 @@ pub fn flash_decode<F: Float>(
     let mut k_next = Array::<F>::new(comptime!(config.loads_per_unit(dim_qk)));
     let mut v_next = Array::<F>::new(comptime!(config.loads_per_unit(dim_v)));
     let first_key = usize::cast_from(blocks.start(0, block_kv));
-    load_cache_block(
+    load_key_value_block(
         k,
-        k_rows,
-        table,
-        table_row,
-        batch,
-        head_kv,
-        first_key,
-        end_u,
-        page_size,
-        &mut k_next,
-        block_kv,
-        dim_qk,
-        units,
-        config.paged,
-        config.unrolled,
-    );
-    load_cache_block(
         v,
+        k_rows,
         v_rows,
         table,
         table_row,
@@ -233,12 +218,9 @@ pub fn flash_decode<F: Float>(
         first_key,
         end_u,
         page_size,
+        &mut k_next,
         &mut v_next,
-        block_kv,
-        dim_v,
-        units,
-        config.paged,
-        config.unrolled,
+        config,
     );
 
     for b in 0..blocks.count {
@@ -265,25 +247,10 @@ pub fn flash_decode<F: Float>(
         sync_cube();
         if b + 1 < blocks.count {
             let next = usize::cast_from(blocks.start(b + 1, block_kv));
-            load_cache_block(
+            load_key_value_block(
                 k,
-                k_rows,
-                table,
-                table_row,
-                batch,
-                head_kv,
-                next,
-                end_u,
-                page_size,
-                &mut k_next,
-                block_kv,
-                dim_qk,
-                units,
-                config.paged,
-                config.unrolled,
-            );
-            load_cache_block(
                 v,
+                k_rows,
                 v_rows,
                 table,
                 table_row,
@@ -292,12 +259,9 @@ pub fn flash_decode<F: Float>(
                 next,
                 end_u,
                 page_size,
+                &mut k_next,
                 &mut v_next,
-                block_kv,
-                dim_v,
-                units,
-                config.paged,
-                config.unrolled,
+                config,
             );
         }
 
@@ -446,4 +410,60 @@ pub fn flash_decode<F: Float>(
             lse[at] = row_lse[own_row];
         }
     }
+}
+
+/// Loads the key and value block starting at position `first` into the units' registers
+/// ([`load_cache_block`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_key_value_block<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    k_rows: &RowLayout,
+    v_rows: &RowLayout,
+    table: &Tensor<i32>,
+    table_row: usize,
+    batch: usize,
+    head_kv: usize,
+    first: usize,
+    end: usize,
+    page_size: usize,
+    k_regs: &mut Array<F>,
+    v_regs: &mut Array<F>,
+    #[comptime] config: DecodeConfig,
+) {
+    load_cache_block(
+        k,
+        k_rows,
+        table,
+        table_row,
+        batch,
+        head_kv,
+        first,
+        end,
+        page_size,
+        k_regs,
+        config.block_kv,
+        config.dim_qk,
+        config.units,
+        config.paged,
+        config.unrolled,
+    );
+    load_cache_block(
+        v,
+        v_rows,
+        table,
+        table_row,
+        batch,
+        head_kv,
+        first,
+        end,
+        page_size,
+        v_regs,
+        config.block_kv,
+        config.dim_v,
+        config.units,
+        config.paged,
+        config.unrolled,
+    );
 }
