@@ -106,11 +106,13 @@ fn hidden_keys(
 
 /// [`crate::flash_attention_with_kvcache_and_lse`] composed from Burn tensor ops: the new keys
 /// and values written with `slice_assign`, each sequence's keys gathered (through its pages)
-/// and attended with [`attention`]. `lengths` are the checked `cache_seqlens`.
+/// and attended with [`attention`]. `lengths` are the checked `cache_seqlens`, `entries` the
+/// checked block table (row-major) of a paged cache.
 pub(crate) fn decode(
     q: Tensor<4>,
     cache: crate::serving::KvCache,
     lengths: &[usize],
+    entries: Option<&[i64]>,
     new: Option<(Tensor<4>, Tensor<4>)>,
     options: &FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>, crate::serving::KvCache) {
@@ -127,7 +129,7 @@ pub(crate) fn decode(
     // A paged cache's page size, the page of each of a sequence's positions, and the table.
     let paged = block_table.map(|t| {
         let [_, max_pages] = t.dims();
-        let entries = crate::serving::host_ints(t.clone());
+        let entries = entries.expect("a paged cache's table is checked").to_vec();
         (k.dims()[1], max_pages, entries, t)
     });
     // Position `pos` of sequence `b`: (block, row) in `[blocks, rows, ..]` order.

@@ -96,10 +96,10 @@ pub fn flash_attention_with_kvcache_and_lse(
     new: Option<(Tensor<4>, Tensor<4>)>,
     options: FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>, KvCache) {
-    let lengths = validate(&q, &cache, cache_seqlens.clone(), new.as_ref(), &options);
+    let (lengths, table) = validate(&q, &cache, cache_seqlens.clone(), new.as_ref(), &options);
     let device = q.device();
     if !supports_flash_attention(&device) {
-        return fallback::decode(q, cache, &lengths, new, &options);
+        return fallback::decode(q, cache, &lengths, table.as_deref(), new, &options);
     }
     let paged = cache.block_table.is_some();
     let batch = q.dims()[0];
@@ -139,14 +139,14 @@ pub fn flash_attention_with_kvcache_and_lse(
 
 /// Checks shapes, dtypes and devices, then the lengths and the pages they use (read to
 /// the host: a lazy backend would otherwise report them only when the op runs); panics with
-/// a message naming the argument. Returns the lengths.
+/// a message naming the argument. Returns the lengths and, paged, the block table.
 fn validate(
     q: &Tensor<4>,
     cache: &KvCache,
     cache_seqlens: Tensor<1, Int>,
     new: Option<&(Tensor<4>, Tensor<4>)>,
     options: &FlashAttentionOptions,
-) -> Vec<usize> {
+) -> (Vec<usize>, Option<Vec<i64>>) {
     const OP: &str = "flash_attention_with_kvcache";
     let dtype = q.dtype();
     let Some(kernel_dtype) = kernel_dtype(dtype) else {
@@ -190,9 +190,10 @@ fn validate(
     );
     let lengths = host_ints(cache_seqlens);
     let table = cache.block_table.clone().map(host_ints);
-    geometry
+    let lengths = geometry
         .check_lengths(&lengths, s_new, table.as_deref())
-        .unwrap_or_else(|e| panic!("{OP}: {e}"))
+        .unwrap_or_else(|e| panic!("{OP}: {e}"));
+    (lengths, table)
 }
 
 /// Host copy of an Int tensor.

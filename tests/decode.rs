@@ -621,6 +621,43 @@ fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
             "{arg}: {err}"
         );
     }
+    // Refusals found after the shapes (a strided head dim, a split count of 0) still come
+    // before the append: the cache's buffer is untouched.
+    let wide = common::randn(&mut rng, 2 * 2 * 16 * 64, dtype);
+    let buffer = upload(&client, &wide, &[2, 2, 16, 64], dtype);
+    let strided = DeviceTensor {
+        shape: vec![2, 2, 16, 32],
+        strides: vec![2 * 16 * 64, 16 * 64, 64, 2],
+        ..buffer.clone()
+    };
+    let contiguous = upload(&client, &wide[..2 * 2 * 16 * 32], &[2, 2, 16, 32], dtype);
+    let new = upload(&client, &vec![0.0; 2 * 2 * 2 * 32], &[2, 2, 2, 32], dtype);
+    for (arg, k, splits) in [
+        ("k_cache", &strided, Splits::Auto),
+        ("splits", &contiguous, Splits::Exactly(0)),
+    ] {
+        let before = download(&client, k, dtype);
+        let raw = download(&client, &buffer, dtype);
+        let inputs = DecodeInputs {
+            cache: KvCache {
+                k,
+                v: &contiguous,
+                block_table: None,
+            },
+            new: Some((&new, &new)),
+            ..base
+        };
+        let err = decode(&client, inputs, dtype, s.options(), splits).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("`{arg}`")),
+            "{arg}: {err}"
+        );
+        assert!(
+            same(&download(&client, k, dtype), &before)
+                && same(&download(&client, &buffer, dtype), &raw),
+            "{arg}: the cache changed before the refusal — seed {seed}"
+        );
+    }
     // The device keeps working.
     decode(&client, base, dtype, s.options(), Splits::Auto).expect("a valid call after refusals");
 }

@@ -441,12 +441,13 @@ pub fn decode_config(
     };
     let fits = |config: &DecodeConfig, budget: usize| config.shared_bytes() <= budget;
     if let Some((_, block_kv)) = tiles {
-        return Ok(config(block_kv)).and_then(|c| match fits(&c, limits.max_shared_memory) {
+        let c = config(block_kv);
+        return match fits(&c, limits.max_shared_memory) {
             true => Ok(c),
             false => Err(FlashError::InvalidConfig(format!(
                 "FLASH_DECODE_TILES: {c:?} does not fit"
             ))),
-        });
+        };
     }
     // A block one plane wide, its softmax on the plane; else the largest block that fits.
     let plane = config(limits.plane_size);
@@ -496,14 +497,8 @@ pub fn decode(
     let limits = DeviceLimits::from_properties(client.properties());
     let paged = geometry.page_size.is_some();
     let page_size = geometry.page_size.unwrap_or(1) as u32;
-    let dummy_table;
-    let table = match inputs.cache.block_table {
-        Some(table) => table,
-        None => {
-            dummy_table = DeviceTensor::from_bytes(client, &[1, 1], &0i32.to_le_bytes());
-            &dummy_table
-        }
-    };
+    // A contiguous cache's kernels never read the table: the lengths stand in for it.
+    let table = inputs.cache.block_table.unwrap_or(inputs.cache_seqlens);
     let (k, v) = (
         geometry.kernel_view(inputs.cache.k),
         geometry.kernel_view(inputs.cache.v),
@@ -520,19 +515,65 @@ pub fn decode(
             ));
         }
     }
-    if table.strides[1] != 1 {
-        return Err(shape_error(
-            "block_table",
-            table,
-            format!(
-                "its rows must be contiguous (stride 1), got strides {:?}",
-                table.strides
-            ),
-        ));
-    }
+    let table_row = match inputs.cache.block_table {
+        Some(table) if table.strides[1] != 1 => {
+            return Err(shape_error(
+                "block_table",
+                table,
+                format!(
+                    "its rows must be contiguous (stride 1), got strides {:?}",
+                    table.strides
+                ),
+            ));
+        }
+        Some(table) => u32::try_from(table.strides[0])
+            .map_err(|_| shape_error("block_table", table, "a row stride below 2^32".into()))?,
+        None => 0,
+    };
     let (k_rows, v_rows) = (k.row_layout("k_cache")?, v.row_layout("v_cache")?);
-    let table_row = u32::try_from(table.strides[0])
-        .map_err(|_| shape_error("block_table", table, "a row stride below 2^32".into()))?;
+
+    // The kernel's tiles and split count, checked before anything is written.
+    let unsplit = decode_config(&problem, &limits, paged, false)?;
+    let packed = problem.group_size() * problem.seq_q;
+    let cubes = geometry.batch * geometry.heads_kv * packed.div_ceil(unsplit.rows);
+    let key_blocks = longest.div_ceil(unsplit.block_kv);
+    let splits = match splits {
+        Splits::Exactly(n) if n >= 1 => n,
+        Splits::Exactly(n) => {
+            return Err(FlashError::Option {
+                arg: "splits",
+                expected: format!("at least 1, got {n}"),
+            });
+        }
+        Splits::Auto => choose_splits(SplitInputs {
+            cubes,
+            multiprocessors: limits.multiprocessors,
+            key_blocks,
+            max_blocks_per_split: loop_budget::decode_max_blocks(&unsplit, &limits),
+        }),
+    };
+    let config = DecodeConfig {
+        split: splits > 1,
+        ..unsplit
+    };
+    if !problem.is_empty() {
+        loop_budget::check(
+            "decode",
+            loop_budget::decode_iterations(&config, key_blocks.div_ceil(splits)),
+            &problem,
+            &limits,
+        )?;
+    }
+    if cubes > u16::MAX as usize || splits > u16::MAX as usize {
+        return Err(FlashError::Shape {
+            arg: "query",
+            shape: q.shape.clone(),
+            expected: format!(
+                "batch · heads_kv · query blocks ({cubes}) and splits ({splits}) must be at most {}",
+                u16::MAX
+            ),
+        });
+    }
 
     if let Some((k_new, v_new)) = inputs.new
         && s_new > 0
@@ -568,46 +609,6 @@ pub fn decode(
             out,
             lse,
             splits: 0,
-        });
-    }
-
-    let unsplit = decode_config(&problem, &limits, paged, false)?;
-    let packed = problem.group_size() * problem.seq_q;
-    let cubes = geometry.batch * geometry.heads_kv * packed.div_ceil(unsplit.rows);
-    let key_blocks = longest.div_ceil(unsplit.block_kv);
-    let splits = match splits {
-        Splits::Exactly(n) if n >= 1 => n,
-        Splits::Exactly(n) => {
-            return Err(FlashError::Option {
-                arg: "splits",
-                expected: format!("at least 1, got {n}"),
-            });
-        }
-        Splits::Auto => choose_splits(SplitInputs {
-            cubes,
-            multiprocessors: limits.multiprocessors,
-            key_blocks,
-            max_blocks_per_split: loop_budget::decode_max_blocks(&unsplit, &limits),
-        }),
-    };
-    let config = DecodeConfig {
-        split: splits > 1,
-        ..unsplit
-    };
-    loop_budget::check(
-        "decode",
-        loop_budget::decode_iterations(&config, key_blocks.div_ceil(splits)),
-        &problem,
-        &limits,
-    )?;
-    if cubes > u16::MAX as usize || splits > u16::MAX as usize {
-        return Err(FlashError::Shape {
-            arg: "query",
-            shape: q.shape.clone(),
-            expected: format!(
-                "batch · heads_kv · query blocks ({cubes}) and splits ({splits}) must be at most {}",
-                u16::MAX
-            ),
         });
     }
     let rows = problem.batch * problem.heads_q * problem.seq_q;
