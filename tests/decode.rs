@@ -461,6 +461,14 @@ fn decode_matches_the_oracle() {
             causal: true,
             ..serving(3, 6, 2, 7, 50, 64)
         },
+        // Window and softcap at d = 128, pages of 8, MQA 8:1 with 2 new tokens: on GPUs
+        // two blocks of packed rows, several steps of the vector-load kernel.
+        Serving {
+            page_size: Some(8),
+            window: (Some(9), Some(0)),
+            softcap: Some(8.0),
+            ..serving(3, 8, 1, 2, 60, 128)
+        },
         // One page of 256 positions per sequence.
         Serving {
             page_size: Some(256),

@@ -59,6 +59,18 @@ impl DeviceTensor {
         Ok(RowLayoutLaunch::new(batch, head, row, seq))
     }
 
+    /// [`DeviceTensor::row_layout`] with the strides counted in vectors of `vector`
+    /// elements (which divide them), for kernels that read the tensor vector by vector.
+    pub(crate) fn vector_row_layout(
+        &self,
+        arg: &'static str,
+        vector: usize,
+    ) -> Result<RowLayoutLaunch, FlashError> {
+        let strides: Vec<usize> = self.strides.iter().map(|s| s / vector).collect();
+        let [batch, head, row, seq] = row_layout_parts(arg, &self.shape, &strides)?;
+        Ok(RowLayoutLaunch::new(batch, head, row, seq))
+    }
+
     pub(crate) fn arg(&self) -> TensorArg {
         unsafe {
             TensorArg::from_raw_parts(

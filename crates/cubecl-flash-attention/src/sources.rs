@@ -27,7 +27,8 @@ use crate::backward::{
 };
 use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
 use crate::decode::{
-    append::append_to_cache, decode_config, kernel::flash_decode, merge::merge_by_lse,
+    append::append_to_cache, decode_config, kernel::flash_decode, lanes::flash_decode_lanes,
+    lanes_config, merge::merge_by_lse,
 };
 use crate::forward::{
     flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
@@ -481,6 +482,44 @@ fn kernels(
                             elem,
                         )) as Box<dyn CubeKernel>
                     }),
+            ));
+        }
+        for (name, paged, split) in [
+            ("decode_lanes", false, false),
+            ("decode_lanes_paged_split", true, true),
+        ] {
+            let Some(c) = lanes_config(&decode_problem, limits, paged, split) else {
+                continue;
+            };
+            kernels.push((
+                name,
+                Ok(Box::new(flash_decode_lanes::FlashDecodeLanes::new(
+                    settings(c.units()),
+                    props.clone(),
+                    tprops.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    row_layout(),
+                    row_layout(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    (),
+                    (),
+                    (),
+                    (),
+                    (),
+                    (),
+                    c.vector,
+                    c,
+                    elem,
+                )) as Box<dyn CubeKernel>),
             ));
         }
         if problem.dim_qk == 64 && !problem.options.mask.is_masked() {

@@ -23,7 +23,8 @@
 use cubecl::prelude::*;
 
 use super::cache::{load_cache_block, store_block};
-use crate::mask::{Blocks, Mask};
+use super::task::DecodeTask;
+use crate::mask::Blocks;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability};
 use crate::tile::{RowLayout, dot_shared};
@@ -125,35 +126,21 @@ pub fn flash_decode<F: Float>(
     let page_size = page_size as usize;
     let table_row = table_row as usize;
 
-    // Which sequence, K/V head and packed rows this cube takes.
-    let heads_q = q.shape(1);
-    let seq_q = q.shape(2);
-    let heads_kv = k.shape(1);
-    let group = heads_q / heads_kv;
-    let packed = group * seq_q;
-    let row_blocks = packed.div_ceil(rows);
-    let cube = CUBE_POS_Y as usize;
-    let first_row = (cube % row_blocks) * rows;
-    let head_kv = (cube / row_blocks) % heads_kv;
-    let batch = cube / row_blocks / heads_kv;
-
-    // The keys the sequence's queries see, then this split's share of them.
-    let seq_kv = usize::cast_from(seqlens[batch * seqlens.stride(0)]) + appended as usize;
-    let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let mut key_first = 0i32;
-    let mut key_last = i32::cast_from(seq_kv);
-    if config.masked {
-        key_first = mask.key_begin(0i32);
-        key_last = mask.key_end(i32::cast_from(seq_q));
-    }
-    let splits = CUBE_COUNT_X as i32;
-    let span = max(key_last - key_first, 0);
-    let block = i32::cast_from(block_kv);
-    let share = ((span + splits - 1) / splits + block - 1) / block * block;
-    let begin = min(key_first + CUBE_POS_X as i32 * share, key_last);
-    let end = min(begin + share, key_last);
-    let blocks = Blocks::covering(begin, end, block_kv);
-    let end_u = usize::cast_from(end);
+    let task = DecodeTask::of_cube(
+        q.shape(1),
+        q.shape(2),
+        k.shape(1),
+        seqlens,
+        appended,
+        window_left,
+        window_right,
+        rows,
+        block_kv,
+        config.masked,
+    );
+    let (batch, head_kv) = (task.batch, task.head_kv);
+    let blocks = Blocks::covering(task.begin, task.end, block_kv);
+    let end_u = usize::cast_from(task.end);
 
     let mut q_tile = Shared::<[f32]>::new_slice(rows * dim_qk);
     let mut k_tile = Shared::<[f32]>::new_slice(block_kv * key_stride);
@@ -162,23 +149,11 @@ pub fn flash_decode<F: Float>(
     let mut row_factor = Shared::<[f32]>::new_slice(rows);
     let mut row_lse = Shared::<[f32]>::new_slice(rows);
 
-    // The packed query rows: row r is query `(first_row + r) % s_q` of query head
-    // `head_kv · group + (first_row + r) / s_q`; rows past the group read as 0.
+    // The packed query rows ([`DecodeTask`]); rows past the group read as 0.
     for step in 0..(rows * dim_qk).div_ceil(units) {
         let idx = step * units + UNIT_POS as usize;
         if idx < rows * dim_qk {
-            let r = first_row + idx / dim_qk;
-            let c = idx % dim_qk;
-            let mut value = 0.0f32;
-            if r < packed {
-                let head_q = head_kv * group + r / seq_q;
-                value = f32::cast_from(
-                    q[batch * q.stride(0)
-                        + head_q * q.stride(1)
-                        + (r % seq_q) * q.stride(2)
-                        + c * q.stride(3)],
-                );
-            }
+            let value = task.query_value(q, idx / dim_qk, idx % dim_qk);
             q_tile[idx] = value;
         }
     }
@@ -284,11 +259,7 @@ pub fn flash_decode<F: Float>(
                 config.columns,
             );
             let key = k0 + i32::cast_from(j);
-            let packed_row = first_row + r;
-            let mut visible = in_block && key < end && packed_row < packed;
-            if config.masked {
-                visible = visible && mask.is_visible(i32::cast_from(packed_row % seq_q), key);
-            }
+            let visible = in_block && task.sees(r, key, config.masked);
             let s = select(
                 visible,
                 score(dot, scale, softcap, config.softcap),
@@ -373,42 +344,17 @@ pub fn flash_decode<F: Float>(
         row_lse[own_row] = state.lse(neg_inf);
     }
     sync_cube();
-    let split = CUBE_POS_X as usize;
     #[unroll]
     for t in 0..outputs {
         let idx = t * units + UNIT_POS as usize;
         let r = idx / dim_v;
-        let packed_row = first_row + r;
-        if idx < rows * dim_v && packed_row < packed {
-            let c = idx % dim_v;
-            let head_q = head_kv * group + packed_row / seq_q;
-            let i = packed_row % seq_q;
+        if idx < rows * dim_v && task.has_row(r) {
             let o = acc[t] * row_factor[r];
-            if config.split {
-                let row = (batch * heads_q + head_q) * seq_q + i;
-                let at = (split * partial_lse.stride(0) + row) * dim_v + c;
-                partial_out[at] = o;
-            } else {
-                let at = batch * out.stride(0)
-                    + head_q * out.stride(1)
-                    + i * out.stride(2)
-                    + c * out.stride(3);
-                out[at] = F::cast_from(o);
-            }
+            task.write_output(out, partial_out, r, idx % dim_v, o, config.split);
         }
     }
-    let packed_row = first_row + own_row;
-    if own_row < rows && packed_row < packed {
-        let head_q = head_kv * group + packed_row / seq_q;
-        let i = packed_row % seq_q;
-        if config.split {
-            let row = (batch * heads_q + head_q) * seq_q + i;
-            let at = split * partial_lse.stride(0) + row;
-            partial_lse[at] = row_lse[own_row];
-        } else {
-            let at = batch * lse.stride(0) + head_q * lse.stride(1) + i * lse.stride(2);
-            lse[at] = row_lse[own_row];
-        }
+    if own_row < rows && task.has_row(own_row) {
+        task.write_lse(lse, partial_lse, own_row, row_lse[own_row], config.split);
     }
 }
 

@@ -13,18 +13,21 @@
 pub mod append;
 pub mod cache;
 pub mod kernel;
+pub mod lanes;
 pub mod merge;
 pub mod split;
+pub mod task;
 
 use cubecl::prelude::*;
 
 use crate::config::{DeviceLimits, portable_columns};
 use crate::error::FlashError;
-use crate::launch::{DeviceTensor, check_dtype, softcap_arg};
+use crate::launch::{DeviceTensor, check_dtype, readable_by_16_byte_copies, softcap_arg};
 use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use kernel::DecodeConfig;
+pub use lanes::LanesConfig;
 pub use split::{SplitInputs, choose_splits};
 
 /// A key/value cache.
@@ -472,6 +475,60 @@ pub fn decode_config(
         })
 }
 
+/// The tiles of [`lanes::flash_decode_lanes`] for `problem` on this device, or `None` where
+/// that kernel does not apply: no plane operations, `d_qk ≠ d_v`, or a head dim that is not
+/// whole 16-byte vectors dividing a plane (the caches must also be readable by 16-byte
+/// loads, which [`decode`] checks). `FLASH_DECODE_KERNEL=staged` takes the staged kernel
+/// always and `FLASH_DECODE_LANES=planes,unroll` sets the tiles (tuning).
+pub fn lanes_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+    paged: bool,
+    split: bool,
+) -> Option<LanesConfig> {
+    const PLANES: usize = 4;
+    const MAX_ROWS: usize = 8;
+    if std::env::var("FLASH_DECODE_KERNEL").as_deref() == Ok("staged") {
+        return None;
+    }
+    let elem = problem.dtype.size();
+    let vector = 16 / elem;
+    let dim = problem.dim_qk;
+    let lanes = dim / vector;
+    let applies = limits.plane_ops
+        && problem.dim_v == dim
+        && dim.is_multiple_of(vector)
+        && lanes.is_power_of_two()
+        && lanes <= limits.plane_size;
+    if !applies {
+        return None;
+    }
+    let rows = (problem.group_size() * problem.seq_q)
+        .next_power_of_two()
+        .min(MAX_ROWS);
+    let tiles: Option<(usize, usize)> = std::env::var("FLASH_DECODE_LANES").ok().and_then(|v| {
+        let (p, u) = v.split_once(',')?;
+        Some((p.parse().ok()?, u.parse().ok()?))
+    });
+    let (planes, unroll) = tiles.unwrap_or((PLANES, if rows <= 4 { 4 } else { 2 }));
+    let config = LanesConfig {
+        rows,
+        dim,
+        vector,
+        plane_size: limits.plane_size,
+        planes: planes.max(1),
+        unroll: unroll.max(1),
+        masked: problem.options.mask.is_masked(),
+        softcap: problem.options.softcap.is_some(),
+        paged,
+        split,
+    };
+    let fits = config.units() <= limits.max_units_per_cube
+        && config.units() >= rows
+        && config.shared_bytes() <= limits.max_shared_memory;
+    fits.then_some(config)
+}
+
 /// Writes `inputs.new` into the cache, then attends the new queries to each sequence's
 /// `cache_seqlens[b] + s_new` first positions. The cache is written in place; the lengths are
 /// not updated (the caller's `cache_seqlens` still counts the positions before the append).
@@ -530,13 +587,18 @@ pub fn decode(
             .map_err(|_| shape_error("block_table", table, "a row stride below 2^32".into()))?,
         None => 0,
     };
-    let (k_rows, v_rows) = (k.row_layout("k_cache")?, v.row_layout("v_cache")?);
 
-    // The kernel's tiles and split count, checked before anything is written.
-    let unsplit = decode_config(&problem, &limits, paged, false)?;
+    // The kernel, its tiles and the split count, checked before anything is written.
+    let vector_loads = [&k, &v]
+        .iter()
+        .all(|t| readable_by_16_byte_copies(t, dtype.size()));
+    let kernel = match lanes_config(&problem, &limits, paged, false) {
+        Some(config) if vector_loads => Kernel::Lanes(config),
+        _ => Kernel::Staged(decode_config(&problem, &limits, paged, false)?),
+    };
     let packed = problem.group_size() * problem.seq_q;
-    let cubes = geometry.batch * geometry.heads_kv * packed.div_ceil(unsplit.rows);
-    let key_blocks = longest.div_ceil(unsplit.block_kv);
+    let cubes = geometry.batch * geometry.heads_kv * packed.div_ceil(kernel.rows());
+    let key_blocks = longest.div_ceil(kernel.step());
     let splits = match splits {
         Splits::Exactly(n) if n >= 1 => n,
         Splits::Exactly(n) => {
@@ -549,17 +611,27 @@ pub fn decode(
             cubes,
             multiprocessors: limits.multiprocessors,
             key_blocks,
-            max_blocks_per_split: loop_budget::decode_max_blocks(&unsplit, &limits),
+            max_blocks_per_split: match &kernel {
+                Kernel::Staged(config) => loop_budget::decode_max_blocks(config, &limits),
+                Kernel::Lanes(_) => None,
+            },
         }),
     };
-    let config = DecodeConfig {
-        split: splits > 1,
-        ..unsplit
+    let kernel = kernel.split(splits > 1);
+    let vector = match kernel {
+        Kernel::Lanes(config) => config.vector,
+        Kernel::Staged(_) => 1,
     };
-    if !problem.is_empty() {
+    let (k_rows, v_rows) = (
+        k.vector_row_layout("k_cache", vector)?,
+        v.vector_row_layout("v_cache", vector)?,
+    );
+    if let Kernel::Staged(config) = &kernel
+        && !problem.is_empty()
+    {
         loop_budget::check(
             "decode",
-            loop_budget::decode_iterations(&config, key_blocks.div_ceil(splits)),
+            loop_budget::decode_iterations(config, key_blocks.div_ceil(splits)),
             &problem,
             &limits,
         )?;
@@ -612,7 +684,7 @@ pub fn decode(
         });
     }
     let rows = problem.batch * problem.heads_q * problem.seq_q;
-    let (partial_out, partial_lse) = match config.split {
+    let (partial_out, partial_lse) = match kernel.is_split() {
         true => (
             DeviceTensor::empty(client, &[splits, rows, problem.dim_v], 4),
             DeviceTensor::empty(client, &[splits, rows], 4),
@@ -626,35 +698,67 @@ pub fn decode(
         .options
         .mask
         .kernel_window(problem.seq_q, geometry.capacity);
-    unsafe {
-        kernel::flash_decode::launch_unchecked(
-            client,
-            CubeCount::Static(splits as u32, cubes as u32, 1),
-            CubeDim::new_1d(config.units as u32),
-            q.arg(),
-            k.arg(),
-            v.arg(),
-            k_rows,
-            v_rows,
-            inputs.cache_seqlens.arg(),
-            table.arg(),
-            table_row,
-            out.arg(),
-            lse.arg(),
-            partial_out.arg(),
-            partial_lse.arg(),
-            s_new as u32,
-            page_size,
-            problem.scale(),
-            softcap_arg(&problem),
-            mask.0,
-            mask.1,
-            f32::NEG_INFINITY,
-            config,
-            dtype.elem_type(),
-        );
+    let count = CubeCount::Static(splits as u32, cubes as u32, 1);
+    match kernel {
+        Kernel::Staged(config) => unsafe {
+            kernel::flash_decode::launch_unchecked(
+                client,
+                count,
+                CubeDim::new_1d(config.units as u32),
+                q.arg(),
+                k.arg(),
+                v.arg(),
+                k_rows,
+                v_rows,
+                inputs.cache_seqlens.arg(),
+                table.arg(),
+                table_row,
+                out.arg(),
+                lse.arg(),
+                partial_out.arg(),
+                partial_lse.arg(),
+                s_new as u32,
+                page_size,
+                problem.scale(),
+                softcap_arg(&problem),
+                mask.0,
+                mask.1,
+                f32::NEG_INFINITY,
+                config,
+                dtype.elem_type(),
+            );
+        },
+        Kernel::Lanes(config) => unsafe {
+            lanes::flash_decode_lanes::launch_unchecked(
+                client,
+                count,
+                CubeDim::new_1d(config.units() as u32),
+                config.vector,
+                q.arg(),
+                k.arg(),
+                v.arg(),
+                k_rows,
+                v_rows,
+                inputs.cache_seqlens.arg(),
+                table.arg(),
+                table_row,
+                out.arg(),
+                lse.arg(),
+                partial_out.arg(),
+                partial_lse.arg(),
+                s_new as u32,
+                page_size,
+                problem.scale(),
+                softcap_arg(&problem),
+                mask.0,
+                mask.1,
+                f32::NEG_INFINITY,
+                config,
+                dtype.elem_type(),
+            );
+        },
     }
-    if config.split {
+    if kernel.is_split() {
         let x = rows.min(u16::MAX as usize);
         unsafe {
             merge::merge_by_lse::launch_unchecked(
@@ -671,4 +775,45 @@ pub fn decode(
         }
     }
     Ok(DecodeOutput { out, lse, splits })
+}
+
+/// The decode kernel that runs, with its tiles.
+#[derive(Clone, Copy, Debug)]
+enum Kernel {
+    /// [`lanes::flash_decode_lanes`], on GPUs.
+    Lanes(LanesConfig),
+    /// [`kernel::flash_decode`], everywhere else.
+    Staged(DecodeConfig),
+}
+
+impl Kernel {
+    /// Packed query rows per cube.
+    fn rows(&self) -> usize {
+        match self {
+            Self::Lanes(c) => c.rows,
+            Self::Staged(c) => c.rows,
+        }
+    }
+
+    /// Keys per step of a cube: splits are whole steps.
+    fn step(&self) -> usize {
+        match self {
+            Self::Lanes(c) => c.step(),
+            Self::Staged(c) => c.block_kv,
+        }
+    }
+
+    fn split(self, split: bool) -> Self {
+        match self {
+            Self::Lanes(c) => Self::Lanes(LanesConfig { split, ..c }),
+            Self::Staged(c) => Self::Staged(DecodeConfig { split, ..c }),
+        }
+    }
+
+    fn is_split(&self) -> bool {
+        match self {
+            Self::Lanes(c) => c.split,
+            Self::Staged(c) => c.split,
+        }
+    }
 }

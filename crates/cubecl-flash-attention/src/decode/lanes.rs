@@ -1,0 +1,337 @@
+//! The decode kernel for GPUs: each cached key is read by a group of lanes, 16 bytes a lane,
+//! and nothing passes through shared memory until the end.
+//!
+//! Decode reads every cached byte once and does little arithmetic on it: what counts is
+//! how many bytes are in flight. Here the `dim / vector` lanes of a *key slot* hold one key
+//! row between them, one 16-byte vector each (d = 128 in bf16: 16 lanes, two slots per
+//! 32-lane plane), and a cube's slots take consecutive keys, so a plane's loads are whole
+//! rows. Each lane keeps, for every packed query row of the cube ([`super::task`]), its
+//! slice of the query and of the output accumulator in registers. Per step a slot loads
+//! `unroll` keys and their values (the next step's loads are issued before this step's
+//! arithmetic), scores them (a dot of the lane's slices, summed over the slot's lanes by
+//! plane shuffles), and folds them into its own online softmax. At the end the slots'
+//! partial results meet in shared memory and are merged by their maxima, as splits are.
+//!
+//! It needs plane shuffles, `dim_qk = dim_v`, a head dim of whole vectors whose vector
+//! count divides the plane, and caches readable by 16-byte loads; [`super::kernel`] takes
+//! every other case.
+
+use cubecl::prelude::*;
+
+use super::cache::cache_slot;
+use super::task::DecodeTask;
+use crate::score::score;
+use crate::softmax::{MASKED, RunningState, probability, row_reduce_sum};
+use crate::tile::RowLayout;
+
+/// The compile-time configuration of one variant of [`flash_decode_lanes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LanesConfig {
+    /// Packed query rows per cube.
+    pub rows: usize,
+    /// Head dim (of keys and values alike).
+    pub dim: usize,
+    /// Elements per load (16 bytes).
+    pub vector: usize,
+    pub plane_size: usize,
+    pub planes: usize,
+    /// Keys per slot per step.
+    pub unroll: usize,
+    pub masked: bool,
+    pub softcap: bool,
+    pub paged: bool,
+    pub split: bool,
+}
+
+impl LanesConfig {
+    /// Lanes that hold one key row.
+    pub fn lanes_per_key(&self) -> usize {
+        self.dim / self.vector
+    }
+
+    pub fn units(&self) -> usize {
+        self.planes * self.plane_size
+    }
+
+    /// Keys a cube reads at once.
+    pub fn slots(&self) -> usize {
+        self.units() / self.lanes_per_key()
+    }
+
+    /// Keys per step of the cube.
+    pub fn step(&self) -> usize {
+        self.slots() * self.unroll
+    }
+
+    /// Shared memory of the final merge, in bytes.
+    pub fn shared_bytes(&self) -> usize {
+        4 * (self.slots() * self.rows * (self.dim + 2) + 3 * self.rows)
+    }
+}
+
+/// [`super::kernel::flash_decode`]'s results from caches `k`/`v` read `N` elements at a time
+/// (`k_rows`, `v_rows` in vectors).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_decode_lanes<F: Float, N: Size>(
+    q: &Tensor<F>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_rows: &RowLayout,
+    v_rows: &RowLayout,
+    seqlens: &Tensor<i32>,
+    table: &Tensor<i32>,
+    table_row: u32,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    partial_out: &mut Tensor<f32>,
+    partial_lse: &mut Tensor<f32>,
+    appended: u32,
+    page_size: u32,
+    scale: f32,
+    softcap: f32,
+    window_left: i32,
+    window_right: i32,
+    neg_inf: f32,
+    #[comptime] config: LanesConfig,
+    #[define(F)] _dtype: ElemType,
+) {
+    let rows = config.rows;
+    let vector = config.vector;
+    let unroll = config.unroll;
+    let lanes_per_key = comptime!(config.lanes_per_key());
+    let slots = comptime!(config.slots());
+    let step_keys = comptime!(config.step());
+    let page_size = page_size as usize;
+    let table_row = table_row as usize;
+
+    let task = DecodeTask::of_cube(
+        q.shape(1),
+        q.shape(2),
+        k.shape(1),
+        seqlens,
+        appended,
+        window_left,
+        window_right,
+        rows,
+        step_keys,
+        config.masked,
+    );
+    let slot = UNIT_POS as usize / lanes_per_key;
+    let column = (UNIT_POS as usize % lanes_per_key) * vector;
+
+    // This lane's slice of every packed query row, and of its output.
+    let mut q_slice = Array::<Vector<f32, N>>::new(rows);
+    let mut acc = Array::<Vector<f32, N>>::new(rows);
+    let mut row_max = Array::<f32>::new(rows);
+    let mut row_sum = Array::<f32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        let mut slice = Vector::<f32, N>::new(0.0);
+        #[unroll]
+        for i in 0..vector {
+            slice.insert(i, task.query_value(q, r, column + i));
+        }
+        q_slice[r] = slice;
+        acc[r] = Vector::<f32, N>::new(0.0);
+        row_max[r] = f32::new(MASKED);
+        row_sum[r] = 0.0;
+    }
+
+    let span = max(task.end - task.begin, 0);
+    let steps = (span + i32::cast_from(step_keys) - 1) / i32::cast_from(step_keys);
+    let mut k_next = Array::<Vector<F, N>>::new(unroll);
+    let mut v_next = Array::<Vector<F, N>>::new(unroll);
+    load_keys(
+        k,
+        v,
+        k_rows,
+        v_rows,
+        table,
+        table_row,
+        &task,
+        task.begin,
+        slot,
+        column / vector,
+        page_size,
+        &mut k_next,
+        &mut v_next,
+        config,
+    );
+    let mut key_cur = Array::<Vector<F, N>>::new(unroll);
+    let mut value_cur = Array::<Vector<F, N>>::new(unroll);
+    let mut scores = Array::<f32>::new(comptime!(unroll * rows));
+
+    for t in 0..steps {
+        let k0 = task.begin + t * i32::cast_from(step_keys);
+        #[unroll]
+        for u in 0..unroll {
+            key_cur[u] = k_next[u];
+            value_cur[u] = v_next[u];
+        }
+        if t + 1 < steps {
+            load_keys(
+                k,
+                v,
+                k_rows,
+                v_rows,
+                table,
+                table_row,
+                &task,
+                k0 + i32::cast_from(step_keys),
+                slot,
+                column / vector,
+                page_size,
+                &mut k_next,
+                &mut v_next,
+                config,
+            );
+        }
+
+        // Scores of the slot's keys: the lanes' partial dots, summed over the slot.
+        #[unroll]
+        for u in 0..unroll {
+            let key = Vector::<f32, N>::cast_from(key_cur[u]);
+            let position = k0 + i32::cast_from(u * slots + slot);
+            #[unroll]
+            for r in 0..rows {
+                let products = q_slice[r] * key;
+                let mut dot = 0.0f32;
+                #[unroll]
+                for i in 0..vector {
+                    dot += products.extract(i);
+                }
+                let dot = row_reduce_sum(dot, lanes_per_key);
+                scores[u * rows + r] = select(
+                    task.sees(r, position, config.masked),
+                    score(dot, scale, softcap, config.softcap),
+                    f32::new(MASKED),
+                );
+            }
+        }
+
+        // The slot's online softmax, row by row: O ← α·O + Σ p·V.
+        #[unroll]
+        for r in 0..rows {
+            let mut row = RunningState {
+                m: row_max[r],
+                l: row_sum[r],
+            };
+            let mut block_max = f32::new(MASKED);
+            #[unroll]
+            for u in 0..unroll {
+                block_max = max(block_max, scores[u * rows + r]);
+            }
+            let alpha = row.rescale(block_max);
+            let mut o = acc[r] * Vector::<f32, N>::new(alpha);
+            #[unroll]
+            for u in 0..unroll {
+                let p = probability(scores[u * rows + r], row.m);
+                row.l += p;
+                o += Vector::<f32, N>::cast_from(value_cur[u]) * Vector::<f32, N>::new(p);
+            }
+            acc[r] = o;
+            row_max[r] = row.m;
+            row_sum[r] = row.l;
+        }
+    }
+
+    // Merge the slots: each row's maximum over the slots rescales their sums and outputs.
+    let mut slot_state = Shared::<[f32]>::new_slice(comptime!(2 * slots * rows));
+    let mut slot_out = Shared::<[f32]>::new_slice(comptime!(slots * rows * config.dim));
+    let mut row_top = Shared::<[f32]>::new_slice(rows);
+    let mut row_factor = Shared::<[f32]>::new_slice(rows);
+    let mut row_lse = Shared::<[f32]>::new_slice(rows);
+    #[unroll]
+    for r in 0..rows {
+        let at = (slot * rows + r) * config.dim + column;
+        #[unroll]
+        for i in 0..vector {
+            slot_out[at + i] = acc[r].extract(i);
+        }
+        if column == 0 {
+            slot_state[2 * (slot * rows + r)] = row_max[r];
+            slot_state[2 * (slot * rows + r) + 1] = row_sum[r];
+        }
+    }
+    sync_cube();
+    let own_row = UNIT_POS as usize;
+    if own_row < rows {
+        let mut m = f32::new(MASKED);
+        for s in 0..slots {
+            m = max(m, slot_state[2 * (s * rows + own_row)]);
+        }
+        let mut merged = RunningState { m, l: 0.0 };
+        for s in 0..slots {
+            let at = 2 * (s * rows + own_row);
+            merged.l += slot_state[at + 1] * (slot_state[at] - m).exp();
+        }
+        row_top[own_row] = m;
+        row_factor[own_row] = merged.normalizer();
+        row_lse[own_row] = merged.lse(neg_inf);
+    }
+    sync_cube();
+    let units = comptime!(config.units());
+    let dim = config.dim;
+    for n in 0..comptime!((rows * config.dim).div_ceil(units)) {
+        let idx = n * units + UNIT_POS as usize;
+        let r = idx / dim;
+        if idx < rows * dim && task.has_row(r) {
+            let c = idx % dim;
+            let top = row_top[r];
+            let mut o = 0.0f32;
+            for s in 0..slots {
+                let weight = (slot_state[2 * (s * rows + r)] - top).exp();
+                o += weight * slot_out[(s * rows + r) * dim + c];
+            }
+            task.write_output(out, partial_out, r, c, o * row_factor[r], config.split);
+        }
+    }
+    if own_row < rows && task.has_row(own_row) {
+        task.write_lse(lse, partial_lse, own_row, row_lse[own_row], config.split);
+    }
+}
+
+/// Loads this slot's `unroll` keys and values of the step from key `k0` (slot `slot` takes
+/// keys `k0 + u · slots + slot`), the lane's vector `chunk` of each; keys at or past the
+/// split's end read as 0 and are never looked up.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_keys<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_rows: &RowLayout,
+    v_rows: &RowLayout,
+    table: &Tensor<i32>,
+    table_row: usize,
+    task: &DecodeTask,
+    k0: i32,
+    slot: usize,
+    chunk: usize,
+    page_size: usize,
+    keys: &mut Array<Vector<F, N>>,
+    values: &mut Array<Vector<F, N>>,
+    #[comptime] config: LanesConfig,
+) {
+    let slots = comptime!(config.slots());
+    #[unroll]
+    for u in 0..config.unroll {
+        let position = k0 + i32::cast_from(u * slots + slot);
+        let mut key = Vector::<F, N>::new(F::new(0.0));
+        let mut value = Vector::<F, N>::new(F::new(0.0));
+        if position < task.end {
+            let at = cache_slot(
+                table,
+                table_row,
+                task.batch,
+                usize::cast_from(position),
+                page_size,
+                config.paged,
+            );
+            key = k[k_rows.offset(at.block, task.head_kv, at.row) + chunk];
+            value = v[v_rows.offset(at.block, task.head_kv, at.row) + chunk];
+        }
+        keys[u] = key;
+        values[u] = value;
+    }
+}

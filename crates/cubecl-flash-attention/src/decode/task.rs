@@ -1,0 +1,164 @@
+//! What one decode cube works on, and where its results go; shared by the decode kernels.
+//!
+//! A cube owns one K/V head of one sequence (`CUBE_POS_Y` enumerates sequence · K/V head ·
+//! block of packed rows) and one split of its key range (`CUBE_POS_X` of `CUBE_COUNT_X`).
+//! Its queries are packed: the `group · s_q` queries of the query heads that read the K/V
+//! head are rows `0 .. group · s_q`, row `r` being query `r % s_q` of query head
+//! `head_kv · group + r / s_q`; a cube takes `rows` of them from `first_row`.
+
+use cubecl::prelude::*;
+
+use crate::mask::Mask;
+
+#[derive(CubeType, Clone, Copy)]
+pub struct DecodeTask {
+    pub batch: usize,
+    pub head_kv: usize,
+    /// First packed row of the cube.
+    pub first_row: usize,
+    /// Query heads per K/V head.
+    pub group: usize,
+    /// Packed rows of the K/V head, `group · s_q`.
+    pub packed: usize,
+    pub heads_q: usize,
+    pub seq_q: usize,
+    /// The mask against the sequence's keys (`cache_seqlens[b]` plus the appended ones).
+    pub mask: Mask,
+    /// The keys of this cube's split, `[begin, end)`: a multiple of `step` keys from the
+    /// first key any of the sequence's queries sees.
+    pub begin: i32,
+    pub end: i32,
+}
+
+#[cube]
+impl DecodeTask {
+    #[allow(clippy::too_many_arguments)]
+    pub fn of_cube(
+        heads_q: usize,
+        seq_q: usize,
+        heads_kv: usize,
+        seqlens: &Tensor<i32>,
+        appended: u32,
+        window_left: i32,
+        window_right: i32,
+        #[comptime] rows: usize,
+        #[comptime] step: usize,
+        #[comptime] masked: bool,
+    ) -> DecodeTask {
+        let group = heads_q / heads_kv;
+        let packed = group * seq_q;
+        let row_blocks = packed.div_ceil(rows);
+        let cube = CUBE_POS_Y as usize;
+        let batch = cube / row_blocks / heads_kv;
+
+        // The keys the sequence's queries see, then this split's share of them.
+        let seq_kv = usize::cast_from(seqlens[batch * seqlens.stride(0)]) + appended as usize;
+        let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
+        let mut key_first = 0i32;
+        let mut key_last = i32::cast_from(seq_kv);
+        if masked {
+            key_first = mask.key_begin(0i32);
+            key_last = mask.key_end(i32::cast_from(seq_q));
+        }
+        let splits = CUBE_COUNT_X as i32;
+        let span = max(key_last - key_first, 0);
+        let step = i32::cast_from(step);
+        let share = ((span + splits - 1) / splits + step - 1) / step * step;
+        let begin = min(key_first + CUBE_POS_X as i32 * share, key_last);
+        DecodeTask {
+            batch,
+            head_kv: (cube / row_blocks) % heads_kv,
+            first_row: (cube % row_blocks) * rows,
+            group,
+            packed,
+            heads_q,
+            seq_q,
+            mask,
+            begin,
+            end: min(begin + share, key_last),
+        }
+    }
+
+    /// Whether packed row `r` of the cube (from `first_row`) is one of the K/V head's.
+    pub fn has_row(&self, r: usize) -> bool {
+        self.first_row + r < self.packed
+    }
+
+    /// Whether row `r` sees `key` (a key of the split); `masked`: the mask is not trivial.
+    pub fn sees(&self, r: usize, key: i32, #[comptime] masked: bool) -> bool {
+        let mut visible = key < self.end && self.has_row(r);
+        if masked {
+            visible = visible && self.mask.is_visible(i32::cast_from(self.query(r)), key);
+        }
+        visible
+    }
+
+    /// The query head of row `r`.
+    pub fn head_q(&self, r: usize) -> usize {
+        self.head_kv * self.group + (self.first_row + r) / self.seq_q
+    }
+
+    /// The query (new token) of row `r`.
+    pub fn query(&self, r: usize) -> usize {
+        (self.first_row + r) % self.seq_q
+    }
+
+    /// Element `c` of row `r`'s query, in f32 (0 for a row past the group).
+    pub fn query_value<F: Float>(&self, q: &Tensor<F>, r: usize, c: usize) -> f32 {
+        let mut value = 0.0f32;
+        if self.has_row(r) {
+            value = f32::cast_from(
+                q[self.batch * q.stride(0)
+                    + self.head_q(r) * q.stride(1)
+                    + self.query(r) * q.stride(2)
+                    + c * q.stride(3)],
+            );
+        }
+        value
+    }
+
+    /// Writes column `c` of row `r`'s output, normalized: to `out` in the input dtype, or
+    /// (`split`) to this split's partial outputs `[splits, rows, d_v]` in f32.
+    pub fn write_output<F: Float>(
+        &self,
+        out: &mut Tensor<F>,
+        partial_out: &mut Tensor<f32>,
+        r: usize,
+        c: usize,
+        value: f32,
+        #[comptime] split: bool,
+    ) {
+        let (head_q, i) = (self.head_q(r), self.query(r));
+        if split {
+            let row = (self.batch * self.heads_q + head_q) * self.seq_q + i;
+            let at = CUBE_POS_X as usize * partial_out.stride(0) + row * partial_out.stride(1) + c;
+            partial_out[at] = value;
+        } else {
+            let at = self.batch * out.stride(0)
+                + head_q * out.stride(1)
+                + i * out.stride(2)
+                + c * out.stride(3);
+            out[at] = F::cast_from(value);
+        }
+    }
+
+    /// Writes row `r`'s LSE: to `lse`, or (`split`) to this split's `[splits, rows]`.
+    pub fn write_lse(
+        &self,
+        lse: &mut Tensor<f32>,
+        partial_lse: &mut Tensor<f32>,
+        r: usize,
+        value: f32,
+        #[comptime] split: bool,
+    ) {
+        let (head_q, i) = (self.head_q(r), self.query(r));
+        if split {
+            let row = (self.batch * self.heads_q + head_q) * self.seq_q + i;
+            let at = CUBE_POS_X as usize * partial_lse.stride(0) + row;
+            partial_lse[at] = value;
+        } else {
+            let at = self.batch * lse.stride(0) + head_q * lse.stride(1) + i * lse.stride(2);
+            lse[at] = value;
+        }
+    }
+}
