@@ -65,6 +65,9 @@ struct Record {
     page_size: usize,
     splits: usize,
     ms: f64,
+    /// Host time to queue one call (arguments, allocations, launches): where it reaches
+    /// `ms`, the host, not the device, sets the pace.
+    host_ms: f64,
     kv_gbps: f64,
 }
 
@@ -174,6 +177,7 @@ fn main() {
                         }
                         sync();
                         let mut times = Vec::new();
+                        let mut host_times = Vec::new();
                         let started = Instant::now();
                         while times.len() < 5
                             || (started.elapsed().as_secs_f64() < args.seconds && times.len() < 50)
@@ -183,11 +187,14 @@ fn main() {
                             for _ in 0..n {
                                 call();
                             }
+                            host_times.push(t.elapsed().as_secs_f64() * 1e3 / n as f64);
                             sync();
                             times.push(t.elapsed().as_secs_f64() * 1e3 / n as f64);
                         }
                         times.sort_by(f64::total_cmp);
+                        host_times.sort_by(f64::total_cmp);
                         let ms = times[times.len() / 2];
+                        let host_ms = host_times[host_times.len() / 2];
                         let record = Record {
                             implementation: "ours".into(),
                             b,
@@ -198,6 +205,7 @@ fn main() {
                             page_size: page,
                             splits: ran,
                             ms,
+                            host_ms,
                             kv_gbps: kv_bytes as f64 / ms / 1e6,
                         };
                         println!("{}", serde_json::to_string(&record).unwrap());

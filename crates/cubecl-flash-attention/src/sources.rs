@@ -14,6 +14,7 @@ use cubecl::ir::{DeviceIdentity, ElemType, FloatKind, HardwareProperties, Memory
 use cubecl::ir::{OpaqueType, VectorSize};
 use cubecl::prelude::*;
 use cubecl::profile::TimingMethod;
+use cubecl::std::FastDivmod;
 use cubecl_cpp::register_supported_types;
 use cubecl_cpp::shared::{
     CompilationOptions, CppSupportedFeatures, register_mma_features, register_wmma_features,
@@ -37,6 +38,11 @@ use crate::forward::{
 use crate::mask::MaskSpec;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 use crate::tile::RowLayoutCompilationArg;
+
+/// How the decode kernels divide positions by the page size: by multiplication where the
+/// device has 64-bit integers (every target here).
+const PAGE_SIZE: <FastDivmod<u32> as LaunchArg>::CompilationArg =
+    <FastDivmod<u32> as LaunchArg>::CompilationArg::Fast;
 
 /// A GPU the kernels are generated for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -472,7 +478,7 @@ fn kernels(
                             tensor(),
                             tensor(),
                             (),
-                            (),
+                            PAGE_SIZE,
                             (),
                             (),
                             (),
@@ -510,7 +516,7 @@ fn kernels(
                     tensor(),
                     tensor(),
                     (),
-                    (),
+                    PAGE_SIZE,
                     (),
                     (),
                     (),
@@ -534,7 +540,7 @@ fn kernels(
                         tensor(),
                         tensor(),
                         tensor(),
-                        (),
+                        PAGE_SIZE,
                         paged,
                         elem,
                     ))),

@@ -3,6 +3,7 @@
 //! table names.
 
 use cubecl::prelude::*;
+use cubecl::std::FastDivmod;
 
 use super::cache::cache_slot;
 
@@ -15,7 +16,7 @@ pub fn append_to_cache<F: Float>(
     cache: &mut Tensor<F>,
     seqlens: &Tensor<i32>,
     table: &Tensor<i32>,
-    page_size: u32,
+    page_size: FastDivmod<u32>,
     #[comptime] paged: bool,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -25,7 +26,6 @@ pub fn append_to_cache<F: Float>(
     let batch = CUBE_POS_Y as usize / heads;
     let head = CUBE_POS_Y as usize % heads;
     let length = usize::cast_from(seqlens[batch * seqlens.stride(0)]);
-    let page_size = page_size as usize;
     let mut token = CUBE_POS_X as usize;
     while token < tokens {
         let slot = cache_slot(

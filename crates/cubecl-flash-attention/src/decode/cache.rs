@@ -12,6 +12,7 @@
 //! lives in global memory and would be loaded again for every value.
 
 use cubecl::prelude::*;
+use cubecl::std::FastDivmod;
 
 use crate::tile::RowLayout;
 
@@ -30,7 +31,7 @@ pub fn cache_slot(
     table_row: usize,
     batch: usize,
     position: usize,
-    page_size: usize,
+    page_size: FastDivmod<u32>,
     #[comptime] paged: bool,
 ) -> CacheSlot {
     let mut slot = CacheSlot {
@@ -38,8 +39,9 @@ pub fn cache_slot(
         row: position,
     };
     if paged {
-        slot.block = usize::cast_from(table[batch * table_row + position / page_size]);
-        slot.row = position % page_size;
+        let (page, row) = page_size.div_mod(u32::cast_from(position));
+        slot.block = usize::cast_from(table[batch * table_row + usize::cast_from(page)]);
+        slot.row = usize::cast_from(row);
     }
     slot
 }
@@ -62,7 +64,7 @@ pub fn load_cache_block<F: Float>(
     head: usize,
     first: usize,
     end: usize,
-    page_size: usize,
+    page_size: FastDivmod<u32>,
     regs: &mut Array<F>,
     #[comptime] rows: usize,
     #[comptime] dim: usize,
@@ -101,7 +103,7 @@ fn load_cache_value<F: Float>(
     head: usize,
     first: usize,
     end: usize,
-    page_size: usize,
+    page_size: FastDivmod<u32>,
     step: usize,
     #[comptime] rows: usize,
     #[comptime] dim: usize,

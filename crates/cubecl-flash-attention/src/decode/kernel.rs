@@ -21,6 +21,7 @@
 //! No tensor cores and, on devices without them, no plane operations: it runs everywhere.
 
 use cubecl::prelude::*;
+use cubecl::std::FastDivmod;
 
 use super::cache::{load_cache_block, store_block};
 use super::task::DecodeTask;
@@ -108,7 +109,7 @@ pub fn flash_decode<F: Float>(
     partial_out: &mut Tensor<f32>,
     partial_lse: &mut Tensor<f32>,
     appended: u32,
-    page_size: u32,
+    page_size: FastDivmod<u32>,
     scale: f32,
     softcap: f32,
     window_left: i32,
@@ -123,7 +124,6 @@ pub fn flash_decode<F: Float>(
     let dim_qk = config.dim_qk;
     let dim_v = config.dim_v;
     let key_stride = comptime!(config.key_stride());
-    let page_size = page_size as usize;
     let table_row = table_row as usize;
 
     let task = DecodeTask::of_cube(
@@ -373,7 +373,7 @@ fn load_key_value_block<F: Float>(
     head_kv: usize,
     first: usize,
     end: usize,
-    page_size: usize,
+    page_size: FastDivmod<u32>,
     k_regs: &mut Array<F>,
     v_regs: &mut Array<F>,
     #[comptime] config: DecodeConfig,

@@ -17,6 +17,7 @@
 //! every other case.
 
 use cubecl::prelude::*;
+use cubecl::std::FastDivmod;
 
 use super::cache::cache_slot;
 use super::task::DecodeTask;
@@ -37,6 +38,10 @@ pub struct LanesConfig {
     pub planes: usize,
     /// Keys per slot per step.
     pub unroll: usize,
+    /// Groups of lanes that share a key slot, each with `rows / row_groups` of the rows
+    /// (a power of two dividing `rows`): more groups, less arithmetic per lane, the same
+    /// key read by more lanes (from one load where they share a plane, else from L1).
+    pub row_groups: usize,
     pub masked: bool,
     pub softcap: bool,
     pub paged: bool,
@@ -55,7 +60,12 @@ impl LanesConfig {
 
     /// Keys a cube reads at once.
     pub fn slots(&self) -> usize {
-        self.units() / self.lanes_per_key()
+        self.units() / (self.lanes_per_key() * self.row_groups)
+    }
+
+    /// Packed rows each lane keeps.
+    pub fn rows_per_lane(&self) -> usize {
+        self.rows / self.row_groups
     }
 
     /// Keys per step of the cube.
@@ -87,7 +97,7 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     partial_out: &mut Tensor<f32>,
     partial_lse: &mut Tensor<f32>,
     appended: u32,
-    page_size: u32,
+    page_size: FastDivmod<u32>,
     scale: f32,
     softcap: f32,
     window_left: i32,
@@ -102,7 +112,6 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     let lanes_per_key = comptime!(config.lanes_per_key());
     let slots = comptime!(config.slots());
     let step_keys = comptime!(config.step());
-    let page_size = page_size as usize;
     let table_row = table_row as usize;
 
     let task = DecodeTask::of_cube(
@@ -117,20 +126,22 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
         step_keys,
         config.masked,
     );
-    let slot = UNIT_POS as usize / lanes_per_key;
+    let own = comptime!(config.rows_per_lane());
+    let slot = UNIT_POS as usize / (lanes_per_key * config.row_groups);
+    let first = (UNIT_POS as usize / lanes_per_key) % config.row_groups * own;
     let column = (UNIT_POS as usize % lanes_per_key) * vector;
 
-    // This lane's slice of every packed query row, and of its output.
-    let mut q_slice = Array::<Vector<f32, N>>::new(rows);
-    let mut acc = Array::<Vector<f32, N>>::new(rows);
-    let mut row_max = Array::<f32>::new(rows);
-    let mut row_sum = Array::<f32>::new(rows);
+    // This lane's slice of its packed query rows `first ..`, and of their outputs.
+    let mut q_slice = Array::<Vector<f32, N>>::new(own);
+    let mut acc = Array::<Vector<f32, N>>::new(own);
+    let mut row_max = Array::<f32>::new(own);
+    let mut row_sum = Array::<f32>::new(own);
     #[unroll]
-    for r in 0..rows {
+    for r in 0..own {
         let mut slice = Vector::<f32, N>::new(0.0);
         #[unroll]
         for i in 0..vector {
-            slice.insert(i, task.query_value(q, r, column + i));
+            slice.insert(i, task.query_value(q, first + r, column + i));
         }
         q_slice[r] = slice;
         acc[r] = Vector::<f32, N>::new(0.0);
@@ -160,7 +171,7 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     );
     let mut key_cur = Array::<Vector<F, N>>::new(unroll);
     let mut value_cur = Array::<Vector<F, N>>::new(unroll);
-    let mut scores = Array::<f32>::new(comptime!(unroll * rows));
+    let mut scores = Array::<f32>::new(comptime!(unroll * own));
 
     for t in 0..steps {
         let k0 = task.begin + t * i32::cast_from(step_keys);
@@ -194,7 +205,7 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
             let key = Vector::<f32, N>::cast_from(key_cur[u]);
             let position = k0 + i32::cast_from(u * slots + slot);
             #[unroll]
-            for r in 0..rows {
+            for r in 0..own {
                 let products = q_slice[r] * key;
                 let mut dot = 0.0f32;
                 #[unroll]
@@ -202,8 +213,8 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
                     dot += products.extract(i);
                 }
                 let dot = row_reduce_sum(dot, lanes_per_key);
-                scores[u * rows + r] = select(
-                    task.sees(r, position, config.masked),
+                scores[u * own + r] = select(
+                    task.sees(first + r, position, config.masked),
                     score(dot, scale, softcap, config.softcap),
                     f32::new(MASKED),
                 );
@@ -212,7 +223,7 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
 
         // The slot's online softmax, row by row: O ← α·O + Σ p·V.
         #[unroll]
-        for r in 0..rows {
+        for r in 0..own {
             let mut row = RunningState {
                 m: row_max[r],
                 l: row_sum[r],
@@ -220,13 +231,13 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
             let mut block_max = f32::new(MASKED);
             #[unroll]
             for u in 0..unroll {
-                block_max = max(block_max, scores[u * rows + r]);
+                block_max = max(block_max, scores[u * own + r]);
             }
             let alpha = row.rescale(block_max);
             let mut o = acc[r] * Vector::<f32, N>::new(alpha);
             #[unroll]
             for u in 0..unroll {
-                let p = probability(scores[u * rows + r], row.m);
+                let p = probability(scores[u * own + r], row.m);
                 row.l += p;
                 o += Vector::<f32, N>::cast_from(value_cur[u]) * Vector::<f32, N>::new(p);
             }
@@ -243,15 +254,15 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     let mut row_factor = Shared::<[f32]>::new_slice(rows);
     let mut row_lse = Shared::<[f32]>::new_slice(rows);
     #[unroll]
-    for r in 0..rows {
-        let at = (slot * rows + r) * config.dim + column;
+    for r in 0..own {
+        let row = slot * rows + first + r;
         #[unroll]
         for i in 0..vector {
-            slot_out[at + i] = acc[r].extract(i);
+            slot_out[row * config.dim + column + i] = acc[r].extract(i);
         }
         if column == 0 {
-            slot_state[2 * (slot * rows + r)] = row_max[r];
-            slot_state[2 * (slot * rows + r) + 1] = row_sum[r];
+            slot_state[2 * row] = row_max[r];
+            slot_state[2 * row + 1] = row_sum[r];
         }
     }
     sync_cube();
@@ -308,7 +319,7 @@ fn load_keys<F: Float, N: Size>(
     k0: i32,
     slot: usize,
     chunk: usize,
-    page_size: usize,
+    page_size: FastDivmod<u32>,
     keys: &mut Array<Vector<F, N>>,
     values: &mut Array<Vector<F, N>>,
     #[comptime] config: LanesConfig,

@@ -479,7 +479,7 @@ pub fn decode_config(
 /// that kernel does not apply: no plane operations, `d_qk ≠ d_v`, or a head dim that is not
 /// whole 16-byte vectors dividing a plane (the caches must also be readable by 16-byte
 /// loads, which [`decode`] checks). `FLASH_DECODE_KERNEL=staged` takes the staged kernel
-/// always and `FLASH_DECODE_LANES=planes,unroll` sets the tiles (tuning).
+/// always and `FLASH_DECODE_LANES=planes,unroll,row_groups` sets the tiles (tuning).
 pub fn lanes_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
@@ -506,11 +506,13 @@ pub fn lanes_config(
     let rows = (problem.group_size() * problem.seq_q)
         .next_power_of_two()
         .min(MAX_ROWS);
-    let tiles: Option<(usize, usize)> = std::env::var("FLASH_DECODE_LANES").ok().and_then(|v| {
-        let (p, u) = v.split_once(',')?;
-        Some((p.parse().ok()?, u.parse().ok()?))
-    });
-    let (planes, unroll) = tiles.unwrap_or((PLANES, if rows <= 4 { 4 } else { 2 }));
+    let tiles: Option<Vec<usize>> = std::env::var("FLASH_DECODE_LANES")
+        .ok()
+        .and_then(|v| v.split(',').map(|x| x.parse().ok()).collect());
+    let (planes, unroll, row_groups) = match tiles.as_deref() {
+        Some(&[planes, unroll, groups]) => (planes, unroll, groups),
+        _ => (PLANES, if rows <= 4 { 4 } else { 2 }, 1),
+    };
     let config = LanesConfig {
         rows,
         dim,
@@ -518,6 +520,7 @@ pub fn lanes_config(
         plane_size: limits.plane_size,
         planes: planes.max(1),
         unroll: unroll.max(1),
+        row_groups: row_groups.clamp(1, rows),
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
         paged,
@@ -525,6 +528,8 @@ pub fn lanes_config(
     };
     let fits = config.units() <= limits.max_units_per_cube
         && config.units() >= rows
+        && rows.is_multiple_of(config.row_groups)
+        && config.slots() >= 1
         && config.shared_bytes() <= limits.max_shared_memory;
     fits.then_some(config)
 }
