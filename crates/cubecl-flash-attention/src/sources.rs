@@ -28,8 +28,12 @@ use crate::backward::{
 };
 use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
 use crate::decode::{
-    append::append_to_cache, decode_config, kernel::flash_decode, lanes::flash_decode_lanes,
-    lanes_config, merge::merge_by_lse,
+    append::append_to_cache,
+    decode_config,
+    kernel::flash_decode,
+    lanes::flash_decode_lanes,
+    lanes_config,
+    merge::{merge_by_lse, merge_units},
 };
 use crate::forward::{
     flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
@@ -546,10 +550,13 @@ fn kernels(
                     ))),
                 ));
             }
+        }
+        if !problem.options.mask.is_masked() {
+            let units = merge_units(problem.dim_v);
             kernels.push((
                 "merge_by_lse",
                 Ok(Box::new(merge_by_lse::MergeByLse::new(
-                    settings(64),
+                    settings(units),
                     props.clone(),
                     tprops.clone(),
                     tensor(),
@@ -557,6 +564,8 @@ fn kernels(
                     tensor(),
                     tensor(),
                     (),
+                    units,
+                    problem.dim_v,
                     elem,
                 ))),
             ));

@@ -16,6 +16,7 @@
 //! count divides the plane, and caches readable by 16-byte loads; [`super::kernel`] takes
 //! every other case.
 
+use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 use cubecl::std::FastDivmod;
 
@@ -38,6 +39,9 @@ pub struct LanesConfig {
     pub planes: usize,
     /// Keys per slot per step.
     pub unroll: usize,
+    /// K and V stream through shared memory by asynchronous copies (CUDA sm_80+) rather
+    /// than through registers.
+    pub async_copies: bool,
     /// Groups of lanes that share a key slot, each with `rows / row_groups` of the rows
     /// (a power of two dividing `rows`): more groups, less arithmetic per lane, the same
     /// key read by more lanes (from one load where they share a plane, else from L1).
@@ -73,9 +77,14 @@ impl LanesConfig {
         self.slots() * self.unroll
     }
 
-    /// Shared memory of the final merge, in bytes.
-    pub fn shared_bytes(&self) -> usize {
-        4 * (self.slots() * self.rows * (self.dim + 2) + 3 * self.rows)
+    /// Shared memory of the stages (with asynchronous copies) and of the final merge, in
+    /// bytes.
+    pub fn shared_bytes(&self, elem: usize) -> usize {
+        let stages = match self.async_copies {
+            true => 2 * 2 * self.step() * self.dim * elem,
+            false => 0,
+        };
+        stages + 4 * (self.slots() * self.rows * (self.dim + 2) + 3 * self.rows)
     }
 }
 
@@ -149,102 +158,52 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
         row_sum[r] = 0.0;
     }
 
-    let span = max(task.end - task.begin, 0);
-    let steps = (span + i32::cast_from(step_keys) - 1) / i32::cast_from(step_keys);
-    let mut k_next = Array::<Vector<F, N>>::new(unroll);
-    let mut v_next = Array::<Vector<F, N>>::new(unroll);
-    load_keys(
-        k,
-        v,
-        k_rows,
-        v_rows,
-        table,
-        table_row,
-        &task,
-        task.begin,
+    let lane = Lane {
         slot,
-        column / vector,
-        page_size,
-        &mut k_next,
-        &mut v_next,
-        config,
-    );
-    let mut key_cur = Array::<Vector<F, N>>::new(unroll);
-    let mut value_cur = Array::<Vector<F, N>>::new(unroll);
+        first,
+        chunk: column / vector,
+    };
     let mut scores = Array::<f32>::new(comptime!(unroll * own));
-
-    for t in 0..steps {
-        let k0 = task.begin + t * i32::cast_from(step_keys);
-        #[unroll]
-        for u in 0..unroll {
-            key_cur[u] = k_next[u];
-            value_cur[u] = v_next[u];
-        }
-        if t + 1 < steps {
-            load_keys(
-                k,
-                v,
-                k_rows,
-                v_rows,
-                table,
-                table_row,
-                &task,
-                k0 + i32::cast_from(step_keys),
-                slot,
-                column / vector,
-                page_size,
-                &mut k_next,
-                &mut v_next,
-                config,
-            );
-        }
-
-        // Scores of the slot's keys: the lanes' partial dots, summed over the slot.
-        #[unroll]
-        for u in 0..unroll {
-            let key = Vector::<f32, N>::cast_from(key_cur[u]);
-            let position = k0 + i32::cast_from(u * slots + slot);
-            #[unroll]
-            for r in 0..own {
-                let products = q_slice[r] * key;
-                let mut dot = 0.0f32;
-                #[unroll]
-                for i in 0..vector {
-                    dot += products.extract(i);
-                }
-                let dot = row_reduce_sum(dot, lanes_per_key);
-                scores[u * own + r] = select(
-                    task.sees(first + r, position, config.masked),
-                    score(dot, scale, softcap, config.softcap),
-                    f32::new(MASKED),
-                );
-            }
-        }
-
-        // The slot's online softmax, row by row: O ← α·O + Σ p·V.
-        #[unroll]
-        for r in 0..own {
-            let mut row = RunningState {
-                m: row_max[r],
-                l: row_sum[r],
-            };
-            let mut block_max = f32::new(MASKED);
-            #[unroll]
-            for u in 0..unroll {
-                block_max = max(block_max, scores[u * own + r]);
-            }
-            let alpha = row.rescale(block_max);
-            let mut o = acc[r] * Vector::<f32, N>::new(alpha);
-            #[unroll]
-            for u in 0..unroll {
-                let p = probability(scores[u * own + r], row.m);
-                row.l += p;
-                o += Vector::<f32, N>::cast_from(value_cur[u]) * Vector::<f32, N>::new(p);
-            }
-            acc[r] = o;
-            row_max[r] = row.m;
-            row_sum[r] = row.l;
-        }
+    if config.async_copies {
+        stream_through_shared(
+            k,
+            v,
+            k_rows,
+            v_rows,
+            table,
+            table_row,
+            page_size,
+            &task,
+            &lane,
+            &q_slice,
+            &mut acc,
+            &mut row_max,
+            &mut row_sum,
+            &mut scores,
+            scale,
+            softcap,
+            config,
+        );
+    } else {
+        stream_through_registers(
+            k,
+            v,
+            k_rows,
+            v_rows,
+            table,
+            table_row,
+            page_size,
+            &task,
+            &lane,
+            &q_slice,
+            &mut acc,
+            &mut row_max,
+            &mut row_sum,
+            &mut scores,
+            scale,
+            softcap,
+            config,
+        );
     }
 
     // Merge the slots: each row's maximum over the slots rescales their sums and outputs.
@@ -303,9 +262,328 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     }
 }
 
+/// Where a lane works: its key slot, the first of its packed rows, and which vector of a
+/// key row it holds.
+#[derive(CubeType, Clone, Copy)]
+pub struct Lane {
+    pub slot: usize,
+    pub first: usize,
+    pub chunk: usize,
+}
+
+/// The number of steps of `step` keys of the cube's split.
+#[cube]
+fn step_count(task: &DecodeTask, #[comptime] step: usize) -> i32 {
+    let step = i32::cast_from(step);
+    (max(task.end - task.begin, 0) + step - 1) / step
+}
+
+/// The main loop, K and V loaded into registers: the next step's loads are issued before
+/// this step's arithmetic (GPUs without asynchronous copies).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stream_through_registers<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_rows: &RowLayout,
+    v_rows: &RowLayout,
+    table: &Tensor<i32>,
+    table_row: usize,
+    page_size: FastDivmod<u32>,
+    task: &DecodeTask,
+    lane: &Lane,
+    q_slice: &Array<Vector<f32, N>>,
+    acc: &mut Array<Vector<f32, N>>,
+    row_max: &mut Array<f32>,
+    row_sum: &mut Array<f32>,
+    scores: &mut Array<f32>,
+    scale: f32,
+    softcap: f32,
+    #[comptime] config: LanesConfig,
+) {
+    let unroll = config.unroll;
+    let step = comptime!(config.step());
+    let steps = step_count(task, step);
+    let mut k_next = Array::<Vector<F, N>>::new(unroll);
+    let mut v_next = Array::<Vector<F, N>>::new(unroll);
+    let mut keys = Array::<Vector<F, N>>::new(unroll);
+    let mut values = Array::<Vector<F, N>>::new(unroll);
+    load_keys(
+        k,
+        v,
+        k_rows,
+        v_rows,
+        table,
+        table_row,
+        task,
+        task.begin,
+        lane,
+        page_size,
+        &mut k_next,
+        &mut v_next,
+        config,
+    );
+    for t in 0..steps {
+        let k0 = task.begin + t * i32::cast_from(step);
+        #[unroll]
+        for u in 0..unroll {
+            keys[u] = k_next[u];
+            values[u] = v_next[u];
+        }
+        if t + 1 < steps {
+            load_keys(
+                k,
+                v,
+                k_rows,
+                v_rows,
+                table,
+                table_row,
+                task,
+                k0 + i32::cast_from(step),
+                lane,
+                page_size,
+                &mut k_next,
+                &mut v_next,
+                config,
+            );
+        }
+        fold_step(
+            task, lane, k0, &keys, &values, q_slice, acc, row_max, row_sum, scores, scale, softcap,
+            config,
+        );
+    }
+}
+
+/// The main loop, K and V copied asynchronously (`cp.async`) into two stages of shared
+/// memory: a step's copies are in flight while the cube computes on the previous step,
+/// without holding registers.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stream_through_shared<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_rows: &RowLayout,
+    v_rows: &RowLayout,
+    table: &Tensor<i32>,
+    table_row: usize,
+    page_size: FastDivmod<u32>,
+    task: &DecodeTask,
+    lane: &Lane,
+    q_slice: &Array<Vector<f32, N>>,
+    acc: &mut Array<Vector<f32, N>>,
+    row_max: &mut Array<f32>,
+    row_sum: &mut Array<f32>,
+    scores: &mut Array<f32>,
+    scale: f32,
+    softcap: f32,
+    #[comptime] config: LanesConfig,
+) {
+    let unroll = config.unroll;
+    let step = comptime!(config.step());
+    let stage_len = comptime!(config.step() * config.lanes_per_key());
+    let slots = comptime!(config.slots());
+    let lanes_per_key = comptime!(config.lanes_per_key());
+    let steps = step_count(task, step);
+    let mut k_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(2 * stage_len));
+    let mut v_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(2 * stage_len));
+    let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let mut keys = Array::<Vector<F, N>>::new(unroll);
+    let mut values = Array::<Vector<F, N>>::new(unroll);
+    if steps > 0 {
+        copy_step(
+            k,
+            v,
+            k_rows,
+            v_rows,
+            table,
+            table_row,
+            page_size,
+            task,
+            task.begin,
+            &mut k_tile,
+            &mut v_tile,
+            0,
+            config,
+        );
+        landed_0.commit_copy_async();
+    }
+    for t in 0..steps {
+        let k0 = task.begin + t * i32::cast_from(step);
+        let stage = t % 2;
+        // Every unit is past step t − 1 once the wait returns: its stage may be refilled.
+        if stage == 0 {
+            landed_0.arrive_and_wait();
+        } else {
+            landed_1.arrive_and_wait();
+        }
+        if t + 1 < steps {
+            let next = usize::cast_from(1 - stage) * stage_len;
+            copy_step(
+                k,
+                v,
+                k_rows,
+                v_rows,
+                table,
+                table_row,
+                page_size,
+                task,
+                k0 + i32::cast_from(step),
+                &mut k_tile,
+                &mut v_tile,
+                next,
+                config,
+            );
+            if stage == 0 {
+                landed_1.commit_copy_async();
+            } else {
+                landed_0.commit_copy_async();
+            }
+        }
+        let offset = usize::cast_from(stage) * stage_len;
+        #[unroll]
+        for u in 0..unroll {
+            let at = offset + (u * slots + lane.slot) * lanes_per_key + lane.chunk;
+            keys[u] = k_tile[at];
+            values[u] = v_tile[at];
+        }
+        fold_step(
+            task, lane, k0, &keys, &values, q_slice, acc, row_max, row_sum, scores, scale, softcap,
+            config,
+        );
+    }
+}
+
+/// Starts the copies of the `step` keys and values from key `k0` into a stage (from
+/// `offset`): key `j` of the step in row `j`, its `lanes_per_key` vectors side by side.
+/// Keys at or past the split's end are zeroed with plain stores (visible after the same
+/// wait) and never looked up.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_step<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_rows: &RowLayout,
+    v_rows: &RowLayout,
+    table: &Tensor<i32>,
+    table_row: usize,
+    page_size: FastDivmod<u32>,
+    task: &DecodeTask,
+    k0: i32,
+    k_tile: &mut Shared<[Vector<F, N>]>,
+    v_tile: &mut Shared<[Vector<F, N>]>,
+    offset: usize,
+    #[comptime] config: LanesConfig,
+) {
+    let lanes_per_key = comptime!(config.lanes_per_key());
+    let units = comptime!(config.units());
+    let copies = comptime!(config.step() * config.lanes_per_key());
+    #[unroll]
+    for n in 0..comptime!(copies.div_ceil(units)) {
+        let idx = n * units + UNIT_POS as usize;
+        if idx < copies {
+            let position = k0 + i32::cast_from(idx / lanes_per_key);
+            let chunk = idx % lanes_per_key;
+            let to = offset + idx;
+            if position < task.end {
+                let at = cache_slot(
+                    table,
+                    table_row,
+                    task.batch,
+                    usize::cast_from(position),
+                    page_size,
+                    config.paged,
+                );
+                let from = k_rows.offset(at.block, task.head_kv, at.row) + chunk;
+                copy_async(
+                    &k[from..from + 1],
+                    &mut k_tile[to..to + 1],
+                    config.vector as u32,
+                );
+                let from = v_rows.offset(at.block, task.head_kv, at.row) + chunk;
+                copy_async(
+                    &v[from..from + 1],
+                    &mut v_tile[to..to + 1],
+                    config.vector as u32,
+                );
+            } else {
+                k_tile[to] = Vector::<F, N>::new(F::new(0.0));
+                v_tile[to] = Vector::<F, N>::new(F::new(0.0));
+            }
+        }
+    }
+}
+
+/// One step of a slot: the scores of its `unroll` keys (the lanes' partial dots summed over
+/// the slot by plane shuffles), then each row's online softmax, `O ← α·O + Σ p·V`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fold_step<F: Float, N: Size>(
+    task: &DecodeTask,
+    lane: &Lane,
+    k0: i32,
+    keys: &Array<Vector<F, N>>,
+    values: &Array<Vector<F, N>>,
+    q_slice: &Array<Vector<f32, N>>,
+    acc: &mut Array<Vector<f32, N>>,
+    row_max: &mut Array<f32>,
+    row_sum: &mut Array<f32>,
+    scores: &mut Array<f32>,
+    scale: f32,
+    softcap: f32,
+    #[comptime] config: LanesConfig,
+) {
+    let unroll = config.unroll;
+    let own = comptime!(config.rows_per_lane());
+    let slots = comptime!(config.slots());
+    #[unroll]
+    for u in 0..unroll {
+        let key = Vector::<f32, N>::cast_from(keys[u]);
+        let position = k0 + i32::cast_from(u * slots + lane.slot);
+        #[unroll]
+        for r in 0..own {
+            let products = q_slice[r] * key;
+            let mut dot = 0.0f32;
+            #[unroll]
+            for i in 0..config.vector {
+                dot += products.extract(i);
+            }
+            let dot = row_reduce_sum(dot, comptime!(config.lanes_per_key()));
+            scores[u * own + r] = select(
+                task.sees(lane.first + r, position, config.masked),
+                score(dot, scale, softcap, config.softcap),
+                f32::new(MASKED),
+            );
+        }
+    }
+    #[unroll]
+    for r in 0..own {
+        let mut row = RunningState {
+            m: row_max[r],
+            l: row_sum[r],
+        };
+        let mut block_max = f32::new(MASKED);
+        #[unroll]
+        for u in 0..unroll {
+            block_max = max(block_max, scores[u * own + r]);
+        }
+        let alpha = row.rescale(block_max);
+        let mut o = acc[r] * Vector::<f32, N>::new(alpha);
+        #[unroll]
+        for u in 0..unroll {
+            let p = probability(scores[u * own + r], row.m);
+            row.l += p;
+            o += Vector::<f32, N>::cast_from(values[u]) * Vector::<f32, N>::new(p);
+        }
+        acc[r] = o;
+        row_max[r] = row.m;
+        row_sum[r] = row.l;
+    }
+}
+
 /// Loads this slot's `unroll` keys and values of the step from key `k0` (slot `slot` takes
-/// keys `k0 + u · slots + slot`), the lane's vector `chunk` of each; keys at or past the
-/// split's end read as 0 and are never looked up.
+/// keys `k0 + u · slots + slot`), the lane's vector of each, into registers; keys at or past
+/// the split's end read as 0 and are never looked up.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_keys<F: Float, N: Size>(
@@ -317,8 +595,7 @@ fn load_keys<F: Float, N: Size>(
     table_row: usize,
     task: &DecodeTask,
     k0: i32,
-    slot: usize,
-    chunk: usize,
+    lane: &Lane,
     page_size: FastDivmod<u32>,
     keys: &mut Array<Vector<F, N>>,
     values: &mut Array<Vector<F, N>>,
@@ -327,7 +604,7 @@ fn load_keys<F: Float, N: Size>(
     let slots = comptime!(config.slots());
     #[unroll]
     for u in 0..config.unroll {
-        let position = k0 + i32::cast_from(u * slots + slot);
+        let position = k0 + i32::cast_from(u * slots + lane.slot);
         let mut key = Vector::<F, N>::new(F::new(0.0));
         let mut value = Vector::<F, N>::new(F::new(0.0));
         if position < task.end {
@@ -339,8 +616,8 @@ fn load_keys<F: Float, N: Size>(
                 page_size,
                 config.paged,
             );
-            key = k[k_rows.offset(at.block, task.head_kv, at.row) + chunk];
-            value = v[v_rows.offset(at.block, task.head_kv, at.row) + chunk];
+            key = k[k_rows.offset(at.block, task.head_kv, at.row) + lane.chunk];
+            value = v[v_rows.offset(at.block, task.head_kv, at.row) + lane.chunk];
         }
         keys[u] = key;
         values[u] = value;

@@ -9,8 +9,13 @@ use cubecl::prelude::*;
 
 /// `partial_out` `[parts, batch, heads, seq, d_v]` and `partial_lse` `[parts, batch, heads,
 /// seq]` (f32, contiguous) into `out` `[batch, heads, seq, d_v]` (any strides, the input
-/// dtype) and `lse` `[batch, heads, seq]`. One cube per row: the row is
-/// `CUBE_POS_Y · CUBE_COUNT_X + CUBE_POS_X`; its units take the columns.
+/// dtype) and `lse` `[batch, heads, seq]`. One cube of `units` units (a power of two, at
+/// least `dim`) per row: the row is `CUBE_POS_Y · CUBE_COUNT_X + CUBE_POS_X`.
+///
+/// Every step reads the parts side by side, so that the loads are in flight together: the
+/// units take the parts' LSEs for the maximum and the sum (reduced through shared memory),
+/// then the weights of `units` parts at a time, and the `units / dim` groups of units each
+/// add up their share of those parts' outputs for every column.
 #[cube(launch_unchecked)]
 pub fn merge_by_lse<F: Float>(
     partial_out: &Tensor<f32>,
@@ -18,46 +23,116 @@ pub fn merge_by_lse<F: Float>(
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     neg_inf: f32,
+    #[comptime] units: usize,
+    #[comptime] dim: usize,
     #[define(F)] _dtype: ElemType,
 ) {
     let parts = partial_lse.shape(0);
     let rows = partial_lse.stride(0);
-    let dim = out.shape(3);
     let row = CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize;
     if row >= rows {
         terminate!();
     }
-    let (heads, seq) = (out.shape(1), out.shape(2));
-    let batch = row / (heads * seq);
-    let head = (row / seq) % heads;
-    let i = row % seq;
+    let unit = UNIT_POS as usize;
+    let mut scratch = Shared::<[f32]>::new_slice(units);
+    let mut weights = Shared::<[f32]>::new_slice(units);
 
     let mut m = neg_inf;
-    for s in 0..parts {
+    let mut s = unit;
+    while s < parts {
         m = max(m, partial_lse[s * rows + row]);
+        s += units;
     }
+    let m = reduce(&mut scratch, m, units, true);
     let mut total = 0.0f32;
-    for s in 0..parts {
-        let part = partial_lse[s * rows + row];
-        total += select(part == neg_inf, 0.0, (part - m).exp());
+    s = unit;
+    while s < parts {
+        total += weight(partial_lse[s * rows + row], m, neg_inf);
+        s += units;
     }
+    let total = reduce(&mut scratch, total, units, false);
     let norm = select(total > 0.0, 1.0 / total, 0.0);
 
-    let base = batch * out.stride(0) + head * out.stride(1) + i * out.stride(2);
-    let mut c = UNIT_POS as usize;
-    while c < dim {
-        let mut o = 0.0f32;
-        for s in 0..parts {
-            let part = partial_lse[s * rows + row];
-            let w = select(part == neg_inf, 0.0, (part - m).exp());
-            o += w * partial_out[(s * rows + row) * dim + c];
+    let groups = comptime!(units / dim);
+    let c = unit % dim;
+    let group = unit / dim;
+    let mut o = 0.0f32;
+    let mut first = 0;
+    while first < parts {
+        sync_cube();
+        let part = first + unit;
+        let mut w = 0.0f32;
+        if part < parts {
+            w = weight(partial_lse[part * rows + row], m, neg_inf);
         }
-        let at = base + c * out.stride(3);
-        out[at] = F::cast_from(o * norm);
-        c += CUBE_DIM as usize;
+        weights[unit] = w;
+        sync_cube();
+        let count = min(units, parts - first);
+        let mut j = group;
+        while j < count && group < groups {
+            o += weights[j] * partial_out[((first + j) * rows + row) * dim + c];
+            j += groups;
+        }
+        first += units;
     }
-    if UNIT_POS == 0 {
-        let at = batch * lse.stride(0) + head * lse.stride(1) + i * lse.stride(2);
-        lse[at] = select(total > 0.0, m + total.ln(), neg_inf);
+    sync_cube();
+    scratch[unit] = o;
+    sync_cube();
+    if group == 0 {
+        let mut sum = 0.0f32;
+        #[unroll]
+        for g in 0..groups {
+            sum += scratch[g * dim + c];
+        }
+        let (heads, seq) = (out.shape(1), out.shape(2));
+        let (batch, head, i) = (row / (heads * seq), (row / seq) % heads, row % seq);
+        let at =
+            batch * out.stride(0) + head * out.stride(1) + i * out.stride(2) + c * out.stride(3);
+        out[at] = F::cast_from(sum * norm);
+        if c == 0 {
+            let at = batch * lse.stride(0) + head * lse.stride(1) + i * lse.stride(2);
+            lse[at] = select(total > 0.0, m + total.ln(), neg_inf);
+        }
     }
+}
+
+/// `exp(LSE_s − m)`, 0 for a part that saw no key.
+#[cube]
+fn weight(part: f32, m: f32, neg_inf: f32) -> f32 {
+    select(part == neg_inf, 0.0, (part - m).exp())
+}
+
+/// The maximum (`is_max`) or the sum of every unit's `value`, through `scratch` (`units`
+/// values, a power of two).
+#[cube]
+fn reduce(
+    scratch: &mut Shared<[f32]>,
+    value: f32,
+    #[comptime] units: usize,
+    #[comptime] is_max: bool,
+) -> f32 {
+    let unit = UNIT_POS as usize;
+    sync_cube();
+    scratch[unit] = value;
+    sync_cube();
+    #[unroll]
+    for level in 0..comptime!(units.trailing_zeros() as usize) {
+        let width = comptime!(units >> (level + 1));
+        if unit < width {
+            let other = scratch[unit + width];
+            let mine = scratch[unit];
+            if is_max {
+                scratch[unit] = max(mine, other);
+            } else {
+                scratch[unit] = mine + other;
+            }
+        }
+        sync_cube();
+    }
+    scratch[0]
+}
+
+/// Units of a merge cube for rows of `dim` columns.
+pub fn merge_units(dim: usize) -> usize {
+    dim.next_power_of_two().max(128)
 }

@@ -479,7 +479,8 @@ pub fn decode_config(
 /// that kernel does not apply: no plane operations, `d_qk ≠ d_v`, or a head dim that is not
 /// whole 16-byte vectors dividing a plane (the caches must also be readable by 16-byte
 /// loads, which [`decode`] checks). `FLASH_DECODE_KERNEL=staged` takes the staged kernel
-/// always and `FLASH_DECODE_LANES=planes,unroll,row_groups` sets the tiles (tuning).
+/// always and `FLASH_DECODE_LANES=planes,unroll,row_groups[,async copies 0/1]` sets the tiles
+/// (tuning).
 pub fn lanes_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
@@ -509,9 +510,16 @@ pub fn lanes_config(
     let tiles: Option<Vec<usize>> = std::env::var("FLASH_DECODE_LANES")
         .ok()
         .and_then(|v| v.split(',').map(|x| x.parse().ok()).collect());
-    let (planes, unroll, row_groups) = match tiles.as_deref() {
-        Some(&[planes, unroll, groups]) => (planes, unroll, groups),
-        _ => (PLANES, if rows <= 4 { 4 } else { 2 }, 1),
+    let async_copies = match problem.dtype {
+        FloatDtype::BF16 => limits.mma_sync_bf16,
+        _ => limits.mma_sync_f16,
+    };
+    let (planes, unroll, row_groups, async_copies) = match tiles.as_deref() {
+        Some(&[planes, unroll, groups]) => (planes, unroll, groups, async_copies),
+        Some(&[planes, unroll, groups, copies]) => {
+            (planes, unroll, groups, async_copies && copies == 1)
+        }
+        _ => (PLANES, if rows <= 4 { 4 } else { 2 }, 1, async_copies),
     };
     let config = LanesConfig {
         rows,
@@ -521,6 +529,7 @@ pub fn lanes_config(
         planes: planes.max(1),
         unroll: unroll.max(1),
         row_groups: row_groups.clamp(1, rows),
+        async_copies,
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
         paged,
@@ -530,7 +539,7 @@ pub fn lanes_config(
         && config.units() >= rows
         && rows.is_multiple_of(config.row_groups)
         && config.slots() >= 1
-        && config.shared_bytes() <= limits.max_shared_memory;
+        && config.shared_bytes(elem) <= limits.max_shared_memory;
     fits.then_some(config)
 }
 
@@ -764,17 +773,20 @@ pub fn decode(
         },
     }
     if kernel.is_split() {
+        let merge_units = merge::merge_units(problem.dim_v);
         let x = rows.min(u16::MAX as usize);
         unsafe {
             merge::merge_by_lse::launch_unchecked(
                 client,
                 CubeCount::Static(x as u32, rows.div_ceil(x) as u32, 1),
-                CubeDim::new_1d(64),
+                CubeDim::new_1d(merge_units as u32),
                 partial_out.arg(),
                 partial_lse.arg(),
                 out.arg(),
                 lse.arg(),
                 f32::NEG_INFINITY,
+                merge_units,
+                problem.dim_v,
                 dtype.elem_type(),
             );
         }
