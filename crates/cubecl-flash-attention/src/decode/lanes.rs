@@ -42,6 +42,9 @@ pub struct LanesConfig {
     /// K and V stream through shared memory by asynchronous copies (CUDA sm_80+) rather
     /// than through registers.
     pub async_copies: bool,
+    /// Shared-memory stages of the asynchronous copies (2 or 3): `stages − 1` steps are in
+    /// flight while the cube computes on one.
+    pub stages: usize,
     /// Groups of lanes that share a key slot, each with `rows / row_groups` of the rows
     /// (a power of two dividing `rows`): more groups, less arithmetic per lane, the same
     /// key read by more lanes (from one load where they share a plane, else from L1).
@@ -81,7 +84,7 @@ impl LanesConfig {
     /// bytes.
     pub fn shared_bytes(&self, elem: usize) -> usize {
         let stages = match self.async_copies {
-            true => 2 * 2 * self.step() * self.dim * elem,
+            true => self.stages * 2 * self.step() * self.dim * elem,
             false => 0,
         };
         stages + 4 * (self.slots() * self.rows * (self.dim + 2) + 3 * self.rows)
@@ -354,8 +357,8 @@ fn stream_through_registers<F: Float, N: Size>(
     }
 }
 
-/// The main loop, K and V copied asynchronously (`cp.async`) into two stages of shared
-/// memory: a step's copies are in flight while the cube computes on the previous step,
+/// The main loop, K and V copied asynchronously (`cp.async`) into `stages` stages of shared
+/// memory: the next `stages − 1` steps' copies are in flight while the cube computes on one,
 /// without holding registers.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -384,41 +387,20 @@ fn stream_through_shared<F: Float, N: Size>(
     let slots = comptime!(config.slots());
     let lanes_per_key = comptime!(config.lanes_per_key());
     let steps = step_count(task, step);
-    let mut k_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(2 * stage_len));
-    let mut v_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(2 * stage_len));
-    let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let stages = config.stages;
+    let mut k_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(stages * stage_len));
+    let mut v_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(stages * stage_len));
+    let landed = StageBarriers {
+        stage_0: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+        stage_1: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+        stage_2: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+    };
     let mut keys = Array::<Vector<F, N>>::new(unroll);
     let mut values = Array::<Vector<F, N>>::new(unroll);
-    if steps > 0 {
-        copy_step(
-            k,
-            v,
-            k_rows,
-            v_rows,
-            table,
-            table_row,
-            page_size,
-            task,
-            task.begin,
-            &mut k_tile,
-            &mut v_tile,
-            0,
-            config,
-        );
-        landed_0.commit_copy_async();
-    }
-    for t in 0..steps {
-        let k0 = task.begin + t * i32::cast_from(step);
-        let stage = t % 2;
-        // Every unit is past step t − 1 once the wait returns: its stage may be refilled.
-        if stage == 0 {
-            landed_0.arrive_and_wait();
-        } else {
-            landed_1.arrive_and_wait();
-        }
-        if t + 1 < steps {
-            let next = usize::cast_from(1 - stage) * stage_len;
+    #[unroll]
+    for stage in 0..comptime!(stages - 1) {
+        let t = i32::cast_from(stage);
+        if t < steps {
             copy_step(
                 k,
                 v,
@@ -428,19 +410,42 @@ fn stream_through_shared<F: Float, N: Size>(
                 table_row,
                 page_size,
                 task,
-                k0 + i32::cast_from(step),
+                task.begin + t * i32::cast_from(step),
                 &mut k_tile,
                 &mut v_tile,
-                next,
+                comptime!(stage * stage_len),
                 config,
             );
-            if stage == 0 {
-                landed_1.commit_copy_async();
-            } else {
-                landed_0.commit_copy_async();
-            }
+            landed.commit(stage, stages);
         }
-        let offset = usize::cast_from(stage) * stage_len;
+    }
+    for t in 0..steps {
+        let stage = usize::cast_from(t) % stages;
+        landed.wait(stage, stages);
+        // Every unit is past step t − 1 once the wait returns: its stage takes step
+        // t + stages − 1.
+        let ahead = t + i32::cast_from(stages - 1);
+        if ahead < steps {
+            let refill = (stage + stages - 1) % stages;
+            copy_step(
+                k,
+                v,
+                k_rows,
+                v_rows,
+                table,
+                table_row,
+                page_size,
+                task,
+                task.begin + ahead * i32::cast_from(step),
+                &mut k_tile,
+                &mut v_tile,
+                refill * stage_len,
+                config,
+            );
+            landed.commit(refill, stages);
+        }
+        let k0 = task.begin + t * i32::cast_from(step);
+        let offset = stage * stage_len;
         #[unroll]
         for u in 0..unroll {
             let at = offset + (u * slots + lane.slot) * lanes_per_key + lane.chunk;
@@ -451,6 +456,39 @@ fn stream_through_shared<F: Float, N: Size>(
             task, lane, k0, &keys, &values, q_slice, acc, row_max, row_sum, scores, scale, softcap,
             config,
         );
+    }
+}
+
+/// The barriers that track the copies into each stage (up to 3).
+#[derive(CubeType)]
+struct StageBarriers {
+    stage_0: Shared<Barrier>,
+    stage_1: Shared<Barrier>,
+    stage_2: Shared<Barrier>,
+}
+
+#[cube]
+impl StageBarriers {
+    /// Tracks the copies this unit has issued into stage `stage`.
+    fn commit(&self, stage: usize, #[comptime] stages: usize) {
+        if stage == 0 {
+            self.stage_0.commit_copy_async();
+        } else if stage == 1 || comptime!(stages == 2) {
+            self.stage_1.commit_copy_async();
+        } else {
+            self.stage_2.commit_copy_async();
+        }
+    }
+
+    /// Waits until stage `stage`'s copies have landed and every unit has arrived.
+    fn wait(&self, stage: usize, #[comptime] stages: usize) {
+        if stage == 0 {
+            self.stage_0.arrive_and_wait();
+        } else if stage == 1 || comptime!(stages == 2) {
+            self.stage_1.arrive_and_wait();
+        } else {
+            self.stage_2.arrive_and_wait();
+        }
     }
 }
 

@@ -479,8 +479,8 @@ pub fn decode_config(
 /// that kernel does not apply: no plane operations, `d_qk ≠ d_v`, or a head dim that is not
 /// whole 16-byte vectors dividing a plane (the caches must also be readable by 16-byte
 /// loads, which [`decode`] checks). `FLASH_DECODE_KERNEL=staged` takes the staged kernel
-/// always and `FLASH_DECODE_LANES=planes,unroll,row_groups[,async copies 0/1]` sets the tiles
-/// (tuning).
+/// always and `FLASH_DECODE_LANES=planes,unroll,row_groups[,async copies 0/1,stages]` sets the
+/// tiles (tuning).
 pub fn lanes_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
@@ -514,13 +514,24 @@ pub fn lanes_config(
         FloatDtype::BF16 => limits.mma_sync_bf16,
         _ => limits.mma_sync_f16,
     };
-    let (planes, unroll, row_groups, async_copies) = match tiles.as_deref() {
-        Some(&[planes, unroll, groups]) => (planes, unroll, groups, async_copies),
-        Some(&[planes, unroll, groups, copies]) => {
-            (planes, unroll, groups, async_copies && copies == 1)
-        }
-        _ => (PLANES, if rows <= 4 { 4 } else { 2 }, 1, async_copies),
+    // Defaults (H100/H200 A/B runs): 4 planes; on the asynchronous path 4 keys a slot per
+    // step, at most 4 rows a lane, 3 stages (2 for 8 rows); through registers 4 keys a slot
+    // (2 for 8 rows), every row a lane.
+    let (mut planes, mut unroll, mut row_groups, mut stages) = match async_copies {
+        true => (PLANES, 4, rows.div_ceil(4), if rows <= 4 { 3 } else { 2 }),
+        false => (PLANES, if rows <= 4 { 4 } else { 2 }, 1, 2),
     };
+    let mut async_copies = async_copies;
+    if let Some(tiles) = tiles.as_deref() {
+        match *tiles {
+            [p, u, g] => (planes, unroll, row_groups) = (p, u, g),
+            [p, u, g, a, st] => {
+                (planes, unroll, row_groups, stages) = (p, u, g, st);
+                async_copies &= a == 1;
+            }
+            _ => return None,
+        }
+    }
     let config = LanesConfig {
         rows,
         dim,
@@ -530,6 +541,7 @@ pub fn lanes_config(
         unroll: unroll.max(1),
         row_groups: row_groups.clamp(1, rows),
         async_copies,
+        stages: stages.clamp(2, 3),
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
         paged,
@@ -624,6 +636,7 @@ pub fn decode(
         Splits::Auto => choose_splits(SplitInputs {
             cubes,
             multiprocessors: limits.multiprocessors,
+            resident: limits.max_shared_memory / (kernel.shared_bytes(dtype.size()) + 1024).max(1),
             key_blocks,
             max_blocks_per_split: match &kernel {
                 Kernel::Staged(config) => loop_budget::decode_max_blocks(config, &limits),
@@ -817,6 +830,14 @@ impl Kernel {
         match self {
             Self::Lanes(c) => c.step(),
             Self::Staged(c) => c.block_kv,
+        }
+    }
+
+    /// Shared memory of one cube, in bytes.
+    fn shared_bytes(&self, elem: usize) -> usize {
+        match self {
+            Self::Lanes(c) => c.shared_bytes(elem),
+            Self::Staged(c) => c.shared_bytes(),
         }
     }
 
