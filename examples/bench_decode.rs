@@ -156,6 +156,7 @@ fn main() {
                                     cache_seqlens: &seqlens,
                                     new: None,
                                     lengths: Lengths::Known(&lengths),
+                                    rotary: None,
                                 },
                                 dtype,
                                 AttentionOptions::default(),

@@ -5,6 +5,7 @@ use burn_flash_attention::kernels::{
     AttentionOptions, DeviceLimits, DeviceTensor, FlashError, FloatDtype, MaskSpec,
     decode::{DecodeInputs, DecodeOutput, KvCache, Lengths, Splits, decode},
     reference::{self, Dims},
+    rotary::Rotary,
 };
 use cubecl::client::Client;
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
@@ -227,6 +228,19 @@ fn run(
     splits: Splits,
     lengths: Lengths,
 ) -> (Result<DecodeOutput, FlashError>, Contents) {
+    run_turned(client, s, d, dtype, splits, lengths, None)
+}
+
+/// [`run`] with the new queries and keys turned by `rope`.
+fn run_turned(
+    client: &Client,
+    s: &Serving,
+    d: &Data,
+    dtype: FloatDtype,
+    splits: Splits,
+    lengths: Lengths,
+    rope: Option<&Rope>,
+) -> (Result<DecodeOutput, FlashError>, Contents) {
     let q = upload(client, &d.q, &[s.batch, s.heads_q, s.s_q, s.dim_qk], dtype);
     let (k, v, table) = upload_cache(client, s, d, dtype);
     let new_k = upload(
@@ -242,6 +256,14 @@ fn run(
         dtype,
     );
     let seqlens = lengths_upload(client, &d.lengths);
+    let tables = rope.map(|rope| {
+        let shape = [rope.positions, rope.dim / 2];
+        (
+            upload(client, &rope.cos, &shape, dtype),
+            upload(client, &rope.sin, &shape, dtype),
+            rope.interleaved,
+        )
+    });
     let inputs = DecodeInputs {
         q: &q,
         cache: KvCache {
@@ -252,6 +274,11 @@ fn run(
         cache_seqlens: &seqlens,
         new: s.append.then_some((&new_k, &new_v)),
         lengths,
+        rotary: tables.as_ref().map(|(cos, sin, interleaved)| Rotary {
+            cos,
+            sin,
+            interleaved: *interleaved,
+        }),
     };
     let result = decode(client, inputs, dtype, s.options(), splits);
     let contents = download_cache(client, s, d, &k, &v, dtype);
@@ -585,6 +612,7 @@ fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
         cache_seqlens: &seqlens,
         new: None,
         lengths: Lengths::ReadBack,
+        rotary: None,
     };
     let bad = [
         (
@@ -703,6 +731,7 @@ fn appends_write_the_cache_in_place() {
             cache_seqlens: &seqlens,
             new: Some((&new_k, &new_v)),
             lengths: Lengths::Known(&d.lengths),
+            rotary: None,
         };
         let result = decode(&client, inputs, dtype, s.options(), splits).expect("decode");
         let held = common::bytes_in_use(&client) - before;
@@ -741,6 +770,175 @@ fn long_caches_are_split_within_the_loop_budget() {
         );
     }
     check(&client, &s, FloatDtype::F32, lengths, Splits::Auto);
+}
+
+/// Rotary tables `[positions, dim / 2]` (angles `p · 10000^(−2i / dim)`, rounded to the
+/// input dtype) and the host's rotation.
+struct Rope {
+    cos: Vec<f64>,
+    sin: Vec<f64>,
+    positions: usize,
+    dim: usize,
+    interleaved: bool,
+}
+
+impl Rope {
+    fn new(positions: usize, dim: usize, interleaved: bool, dtype: FloatDtype) -> Self {
+        let half = dim / 2;
+        let angle = |n: usize| {
+            let (p, i) = (n / half, n % half);
+            p as f64 * 10_000f64.powf(-2.0 * i as f64 / dim as f64)
+        };
+        let table = |f: fn(f64) -> f64| {
+            (0..positions * half)
+                .map(|n| common::round(f(angle(n)), dtype))
+                .collect()
+        };
+        Self {
+            cos: table(f64::cos),
+            sin: table(f64::sin),
+            positions,
+            dim,
+            interleaved,
+        }
+    }
+
+    /// Turns `row` (one head's values) to `position`.
+    fn turn(&self, row: &mut [f64], position: usize) {
+        let half = self.dim / 2;
+        let x = row.to_vec();
+        for i in 0..half {
+            let (a, b) = match self.interleaved {
+                true => (2 * i, 2 * i + 1),
+                false => (i, i + half),
+            };
+            let (cos, sin) = (self.cos[position * half + i], self.sin[position * half + i]);
+            row[a] = x[a] * cos - x[b] * sin;
+            row[b] = x[b] * cos + x[a] * sin;
+        }
+    }
+}
+
+#[test]
+fn rotary_embedding_turns_the_new_queries_and_keys() {
+    // Keys turn to their positions `len + j` as they are appended; queries to `len + i`
+    // under a causal mask, else all to `len` (FlashAttention's `flash_attn_with_kvcache`).
+    let client = common::client();
+    let (seed, mut rng) = common::rng();
+    let cases = [
+        (
+            Serving {
+                causal: true,
+                ..serving(3, 4, 2, 3, 24, 32)
+            },
+            false,
+            16,
+        ),
+        (
+            Serving {
+                page_size: Some(3),
+                ..serving(3, 4, 2, 2, 24, 32)
+            },
+            true,
+            32,
+        ),
+    ];
+    for (s, interleaved, rotary_dim) in cases {
+        for dtype in common::dtypes(&client) {
+            let context = format!("{s:?} {dtype:?} interleaved {interleaved}, seed {seed}");
+            let lengths = edge_lengths(&s, &mut rng);
+            let d = data(&s, dtype, lengths, &mut rng);
+            let rope = Rope::new(s.capacity + s.s_q, rotary_dim, interleaved, dtype);
+            let (result, contents) = run_turned(
+                &client,
+                &s,
+                &d,
+                dtype,
+                Splits::Auto,
+                Lengths::ReadBack,
+                Some(&rope),
+            );
+            let result = result.unwrap_or_else(|e| panic!("decode: {e} — {context}"));
+
+            // The cache holds the turned keys (rounded once, by the kernel or here) and the
+            // values as they came.
+            let (hkv, n, dk) = (s.heads_kv, s.s_new(), s.dim_qk);
+            let mut turned = Data {
+                q: d.q.clone(),
+                lengths: d.lengths.clone(),
+                contents: d.contents.clone(),
+                new_k: d.new_k.clone(),
+                new_v: d.new_v.clone(),
+                table: d.table.clone(),
+                pages: d.pages,
+            };
+            for (row, key) in turned.new_k.chunks_mut(dk).enumerate() {
+                let seq = row / (hkv * n);
+                rope.turn(key, d.lengths[seq] + row % n);
+            }
+            let after = appended(&s, &turned);
+            assert!(same(&contents.v, &after.v), "values changed — {context}");
+            let ulp = match dtype {
+                FloatDtype::F32 => 1e-6,
+                FloatDtype::F16 => 1e-3,
+                FloatDtype::BF16 => 8e-3,
+            };
+            for (n, (&got, &want)) in contents.k.iter().zip(&after.k).enumerate() {
+                assert!(
+                    same(&[got], &[want]) || (got - want).abs() <= ulp * (1.0 + want.abs()),
+                    "cached key value {n}: {got} against {want} — {context}"
+                );
+            }
+
+            let mut q = d.q.clone();
+            for (row, query) in q.chunks_mut(dk).enumerate() {
+                let seq = row / (s.heads_q * s.s_q);
+                let i = if s.causal { row % s.s_q } else { 0 };
+                rope.turn(query, d.lengths[seq] + i);
+            }
+            let out = download(&client, &result.out, dtype);
+            let lse = download(&client, &result.lse, FloatDtype::F32);
+            let len = |seq: usize| d.lengths[seq] + n;
+            check_sequences(
+                &s,
+                dtype,
+                &q,
+                |seq| positions(&s, &contents.k, seq, len(seq), dk),
+                |seq| positions(&s, &contents.v, seq, len(seq), s.dim_v),
+                &out,
+                Some(&lse),
+                &context,
+            );
+        }
+    }
+
+    // Tables shorter than the longest sequence with its new tokens, or odd ones, are
+    // refused before anything is written.
+    let s = serving(3, 4, 2, 1, 24, 32);
+    let d = data(&s, FloatDtype::F32, edge_lengths(&s, &mut rng), &mut rng);
+    for (rope, arg) in [
+        (Rope::new(4, 16, false, FloatDtype::F32), "rotary_cos"),
+        (
+            Rope::new(s.capacity, 48, false, FloatDtype::F32),
+            "rotary_cos",
+        ),
+    ] {
+        let (result, contents) = run_turned(
+            &client,
+            &s,
+            &d,
+            FloatDtype::F32,
+            Splits::Auto,
+            Lengths::ReadBack,
+            Some(&rope),
+        );
+        let err = result.err().expect("bad rotary tables were taken");
+        assert!(err.to_string().contains(&format!("`{arg}`")), "{err}");
+        assert!(
+            same(&contents.k, &d.contents.k),
+            "the cache changed — seed {seed}"
+        );
+    }
 }
 
 mod op {

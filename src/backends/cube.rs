@@ -155,6 +155,7 @@ impl FlashAttentionOps for CubeBackend {
                 cache_seqlens: &seqlens,
                 new: options.append.then_some((&k_new, &v_new)),
                 lengths: Lengths::Known(&options.lengths),
+                rotary: None,
             },
             float_dtype(dtype),
             options.attention.kernel_options(),

@@ -22,6 +22,7 @@ pub mod mma;
 pub mod mma_sync;
 pub mod problem;
 pub mod reference;
+pub mod rotary;
 pub mod score;
 pub mod softmax;
 #[cfg(any(feature = "cuda", feature = "rocm"))]

@@ -41,6 +41,7 @@ use crate::forward::{
 };
 use crate::mask::MaskSpec;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
+use crate::rotary::RotaryConfig;
 use crate::tile::RowLayoutCompilationArg;
 
 /// How the decode kernels divide positions by the page size: by multiplication where the
@@ -407,6 +408,19 @@ fn tensor() -> TensorCompilationArg {
     }
 }
 
+/// The rotary embedding the decode kernels are checked with: none for a contiguous cache,
+/// half-split over half the head dim for a paged one (the rotation is the same code for
+/// both caches).
+fn rotary_variant(paged: bool) -> RotaryConfig {
+    match paged {
+        false => RotaryConfig::NONE,
+        true => RotaryConfig {
+            dim: 32,
+            interleaved: false,
+        },
+    }
+}
+
 fn settings(units: usize) -> KernelSettings {
     KernelSettings::new(
         CubeDim::new_1d(units as u32).into(),
@@ -481,6 +495,8 @@ fn kernels(
                             tensor(),
                             tensor(),
                             tensor(),
+                            tensor(),
+                            tensor(),
                             (),
                             PAGE_SIZE,
                             (),
@@ -489,6 +505,7 @@ fn kernels(
                             (),
                             (),
                             c,
+                            rotary_variant(paged),
                             elem,
                         )) as Box<dyn CubeKernel>
                     }),
@@ -519,6 +536,8 @@ fn kernels(
                     tensor(),
                     tensor(),
                     tensor(),
+                    tensor(),
+                    tensor(),
                     (),
                     PAGE_SIZE,
                     (),
@@ -528,6 +547,7 @@ fn kernels(
                     (),
                     c.vector,
                     c,
+                    rotary_variant(paged),
                     elem,
                 )) as Box<dyn CubeKernel>),
             ));
@@ -544,8 +564,11 @@ fn kernels(
                         tensor(),
                         tensor(),
                         tensor(),
+                        tensor(),
+                        tensor(),
                         PAGE_SIZE,
                         paged,
+                        rotary_variant(paged),
                         elem,
                     ))),
                 ));

@@ -1,13 +1,15 @@
 //! Writing new keys and values into a cache in place: token `i` of sequence `b` goes to
 //! position `cache_seqlens[b] + i`, in the sequence's own rows or in the page its block
-//! table names.
+//! table names. Keys may be turned by the rotary embedding on the way ([`crate::rotary`]),
+//! each to its own position.
 
 use cubecl::prelude::*;
 use cubecl::std::FastDivmod;
 
 use super::cache::cache_slot;
+use crate::rotary::{RotaryConfig, rotated};
 
-/// Copies `new` `[batch, heads_kv, s_new, d]` into `cache` (presented as `[blocks, heads_kv,
+/// Copies `new` `[batch, heads_kv, s_new, d]` (rotated by `rotary`, for keys) into `cache` (presented as `[blocks, heads_kv,
 /// rows, d]`, see [`super::cache`]). One cube per (token, batch·head); a cube takes the
 /// tokens `CUBE_POS_X + n · CUBE_COUNT_X`, its units the columns.
 #[cube(launch_unchecked)]
@@ -16,8 +18,11 @@ pub fn append_to_cache<F: Float>(
     cache: &mut Tensor<F>,
     seqlens: &Tensor<i32>,
     table: &Tensor<i32>,
+    rotary_cos: &Tensor<F>,
+    rotary_sin: &Tensor<F>,
     page_size: FastDivmod<u32>,
     #[comptime] paged: bool,
+    #[comptime] rotary: RotaryConfig,
     #[define(F)] _dtype: ElemType,
 ) {
     let heads = new.shape(1);
@@ -41,7 +46,17 @@ pub fn append_to_cache<F: Float>(
         let col_stride = cache.stride(3);
         let mut c = UNIT_POS as usize;
         while c < dim {
-            cache[to + c * col_stride] = new[from + c * new.stride(3)];
+            let value = rotated(
+                new,
+                from,
+                new.stride(3),
+                c,
+                length + token,
+                rotary_cos,
+                rotary_sin,
+                rotary,
+            );
+            cache[to + c * col_stride] = F::cast_from(value);
             c += CUBE_DIM as usize;
         }
         token += CUBE_COUNT_X as usize;

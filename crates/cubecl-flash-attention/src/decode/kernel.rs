@@ -26,6 +26,7 @@ use cubecl::std::FastDivmod;
 use super::cache::{load_cache_block, store_block};
 use super::task::DecodeTask;
 use crate::mask::Blocks;
+use crate::rotary::RotaryConfig;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability};
 use crate::tile::{RowLayout, dot_shared};
@@ -108,6 +109,8 @@ pub fn flash_decode<F: Float>(
     lse: &mut Tensor<f32>,
     partial_out: &mut Tensor<f32>,
     partial_lse: &mut Tensor<f32>,
+    rotary_cos: &Tensor<F>,
+    rotary_sin: &Tensor<F>,
     appended: u32,
     page_size: FastDivmod<u32>,
     scale: f32,
@@ -116,6 +119,7 @@ pub fn flash_decode<F: Float>(
     window_right: i32,
     neg_inf: f32,
     #[comptime] config: DecodeConfig,
+    #[comptime] rotary: RotaryConfig,
     #[define(F)] _dtype: ElemType,
 ) {
     let rows = config.rows;
@@ -153,7 +157,15 @@ pub fn flash_decode<F: Float>(
     for step in 0..(rows * dim_qk).div_ceil(units) {
         let idx = step * units + UNIT_POS as usize;
         if idx < rows * dim_qk {
-            let value = task.query_value(q, idx / dim_qk, idx % dim_qk);
+            let value = task.query_value(
+                q,
+                idx / dim_qk,
+                idx % dim_qk,
+                rotary_cos,
+                rotary_sin,
+                rotary,
+                config.masked,
+            );
             q_tile[idx] = value;
         }
     }

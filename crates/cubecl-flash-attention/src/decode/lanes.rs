@@ -22,6 +22,7 @@ use cubecl::std::FastDivmod;
 
 use super::cache::cache_slot;
 use super::task::DecodeTask;
+use crate::rotary::RotaryConfig;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability, row_reduce_sum};
 use crate::tile::RowLayout;
@@ -113,6 +114,8 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     lse: &mut Tensor<f32>,
     partial_out: &mut Tensor<f32>,
     partial_lse: &mut Tensor<f32>,
+    rotary_cos: &Tensor<F>,
+    rotary_sin: &Tensor<F>,
     appended: u32,
     page_size: FastDivmod<u32>,
     scale: f32,
@@ -121,6 +124,7 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     window_right: i32,
     neg_inf: f32,
     #[comptime] config: LanesConfig,
+    #[comptime] rotary: RotaryConfig,
     #[define(F)] _dtype: ElemType,
 ) {
     let rows = config.rows;
@@ -158,7 +162,18 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
         let mut slice = Vector::<f32, N>::new(0.0);
         #[unroll]
         for i in 0..vector {
-            slice.insert(i, task.query_value(q, first + r, column + i));
+            slice.insert(
+                i,
+                task.query_value(
+                    q,
+                    first + r,
+                    column + i,
+                    rotary_cos,
+                    rotary_sin,
+                    rotary,
+                    config.masked,
+                ),
+            );
         }
         q_slice[r] = slice;
         acc[r] = Vector::<f32, N>::new(0.0);

@@ -28,6 +28,8 @@ use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use kernel::DecodeConfig;
 pub use lanes::LanesConfig;
+
+use crate::rotary::{Rotary, RotaryConfig};
 pub use split::{SplitInputs, choose_splits};
 
 /// A key/value cache.
@@ -57,6 +59,10 @@ pub struct DecodeInputs<'a> {
     pub new: Option<(&'a DeviceTensor, &'a DeviceTensor)>,
     /// How the launcher learns the lengths it checks and splits by.
     pub lengths: Lengths<'a>,
+    /// Rotary embedding of the new queries and keys ([`crate::rotary`]): keys to their
+    /// positions `cache_seqlens[b] + i`; queries likewise under a causal or window mask,
+    /// else all to `cache_seqlens[b]` (FlashAttention's convention).
+    pub rotary: Option<Rotary<'a>>,
 }
 
 /// Where the launcher learns each sequence's length.
@@ -353,7 +359,7 @@ fn read_i32(client: &Client, t: &DeviceTensor) -> Vec<i32> {
 }
 
 /// Checks the lengths (and pages) every sequence will use, reading them back unless the
-/// caller knows them; returns the longest sequence after the append.
+/// caller knows them; returns the longest length before the append.
 fn check_lengths(
     client: &Client,
     inputs: &DecodeInputs,
@@ -384,7 +390,7 @@ fn check_lengths(
             geometry.check_lengths(&lengths, s_new, None)?
         }
     };
-    Ok(lengths.iter().map(|l| l + s_new).max().unwrap_or(0))
+    Ok(lengths.iter().copied().max().unwrap_or(0))
 }
 
 /// Checks the new keys and values against the query and the cache; returns `s_new`.
@@ -575,7 +581,18 @@ pub fn decode(
     let problem = geometry.problem(&q.shape, dtype, options)?;
     check_dtype(client, dtype)?;
     let s_new = check_new(&inputs, &geometry)?;
-    let longest = check_lengths(client, &inputs, &geometry, s_new)?;
+    let longest_cached = check_lengths(client, &inputs, &geometry, s_new)?;
+    let longest = longest_cached + s_new;
+    let rotary = RotaryConfig::new(
+        inputs.rotary.as_ref(),
+        geometry.dim_qk,
+        longest_cached + s_new.max(problem.seq_q),
+    )?;
+    // Without a rotation the tables are never read: `q` stands in for them.
+    let (rotary_cos, rotary_sin) = match &inputs.rotary {
+        Some(r) => (r.cos, r.sin),
+        None => (q, q),
+    };
 
     let limits = DeviceLimits::from_properties(client.properties());
     let paged = geometry.page_size.is_some();
@@ -683,7 +700,8 @@ pub fn decode(
             (geometry.batch * geometry.heads_kv) as u32,
             1,
         );
-        for (new, cache) in [(k_new, &k), (v_new, &v)] {
+        // Keys turn by the rotary embedding on their way into the cache; values do not.
+        for (new, cache, rotate) in [(k_new, &k, rotary), (v_new, &v, RotaryConfig::NONE)] {
             unsafe {
                 append::append_to_cache::launch_unchecked(
                     client,
@@ -693,8 +711,11 @@ pub fn decode(
                     cache.arg(),
                     inputs.cache_seqlens.arg(),
                     table.arg(),
+                    rotary_cos.arg(),
+                    rotary_sin.arg(),
                     page_size,
                     paged,
+                    rotate,
                     dtype.elem_type(),
                 );
             }
@@ -744,6 +765,8 @@ pub fn decode(
                 lse.arg(),
                 partial_out.arg(),
                 partial_lse.arg(),
+                rotary_cos.arg(),
+                rotary_sin.arg(),
                 s_new as u32,
                 page_size,
                 problem.scale(),
@@ -752,6 +775,7 @@ pub fn decode(
                 mask.1,
                 f32::NEG_INFINITY,
                 config,
+                rotary,
                 dtype.elem_type(),
             );
         },
@@ -773,6 +797,8 @@ pub fn decode(
                 lse.arg(),
                 partial_out.arg(),
                 partial_lse.arg(),
+                rotary_cos.arg(),
+                rotary_sin.arg(),
                 s_new as u32,
                 page_size,
                 problem.scale(),
@@ -781,6 +807,7 @@ pub fn decode(
                 mask.1,
                 f32::NEG_INFINITY,
                 config,
+                rotary,
                 dtype.elem_type(),
             );
         },

@@ -9,6 +9,7 @@
 use cubecl::prelude::*;
 
 use crate::mask::Mask;
+use crate::rotary::{RotaryConfig, rotated};
 
 #[derive(CubeType, Clone, Copy)]
 pub struct DecodeTask {
@@ -22,6 +23,8 @@ pub struct DecodeTask {
     pub packed: usize,
     pub heads_q: usize,
     pub seq_q: usize,
+    /// Positions in the cache before this call's append (`cache_seqlens[b]`).
+    pub cached: usize,
     /// The mask against the sequence's keys (`cache_seqlens[b]` plus the appended ones).
     pub mask: Mask,
     /// The keys of this cube's split, `[begin, end)`: a multiple of `step` keys from the
@@ -52,7 +55,8 @@ impl DecodeTask {
         let batch = cube / row_blocks / heads_kv;
 
         // The keys the sequence's queries see, then this split's share of them.
-        let seq_kv = usize::cast_from(seqlens[batch * seqlens.stride(0)]) + appended as usize;
+        let cached = usize::cast_from(seqlens[batch * seqlens.stride(0)]);
+        let seq_kv = cached + appended as usize;
         let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
         let mut key_first = 0i32;
         let mut key_last = i32::cast_from(seq_kv);
@@ -73,6 +77,7 @@ impl DecodeTask {
             packed,
             heads_q,
             seq_q,
+            cached,
             mask,
             begin,
             end: min(begin + share, key_last),
@@ -103,16 +108,31 @@ impl DecodeTask {
         (self.first_row + r) % self.seq_q
     }
 
-    /// Element `c` of row `r`'s query, in f32 (0 for a row past the group).
-    pub fn query_value<F: Float>(&self, q: &Tensor<F>, r: usize, c: usize) -> f32 {
+    /// Element `c` of row `r`'s query, in f32 (0 for a row past the group), turned by the
+    /// rotary embedding: to position `cached + i` for query `i` under a causal or window
+    /// mask (`masked`), else to `cached` for every query, as FlashAttention's
+    /// `flash_attn_with_kvcache`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn query_value<F: Float>(
+        &self,
+        q: &Tensor<F>,
+        r: usize,
+        c: usize,
+        cos: &Tensor<F>,
+        sin: &Tensor<F>,
+        #[comptime] rotary: RotaryConfig,
+        #[comptime] masked: bool,
+    ) -> f32 {
         let mut value = 0.0f32;
         if self.has_row(r) {
-            value = f32::cast_from(
-                q[self.batch * q.stride(0)
-                    + self.head_q(r) * q.stride(1)
-                    + self.query(r) * q.stride(2)
-                    + c * q.stride(3)],
-            );
+            let at = self.batch * q.stride(0)
+                + self.head_q(r) * q.stride(1)
+                + self.query(r) * q.stride(2);
+            let mut position = self.cached;
+            if masked {
+                position += self.query(r);
+            }
+            value = rotated(q, at, q.stride(3), c, position, cos, sin, rotary);
         }
         value
     }
