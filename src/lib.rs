@@ -34,7 +34,8 @@ pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_at
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 pub use options::{DecodeOptions, FlashAttentionOptions};
 pub use serving::{
-    KvCache, PagedKvCache, flash_attention_with_kvcache, flash_attention_with_kvcache_and_lse,
+    KvCache, PagedKvCache, RotaryEmbedding, flash_attention_with_kvcache,
+    flash_attention_with_kvcache_and_lse,
 };
 
 /// The kernel crate, re-exported.

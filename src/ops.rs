@@ -43,8 +43,10 @@ pub trait FlashAttentionOps: Backend {
     /// capacity, d]`, or with `options.paged` pages `[pages, page_size, h_kv, d]` named by
     /// `block_table` `[b, max_pages]`), over the first `cache_seqlens[b]` (+ `s_new`)
     /// positions of each sequence; with `options.append`, `k_new`/`v_new` `[b, h_kv, s_new,
-    /// d]` are first written at those positions. Returns (`o`, `lse`, the caches with the
-    /// new keys and values). Tensors `options` says are absent are ignored placeholders.
+    /// d]` are first written at those positions; with `options.rotary`, the new queries and
+    /// keys turn by `rotary_cos`/`rotary_sin` `[positions, rotary_dim / 2]`. Returns (`o`,
+    /// `lse`, the caches with the new keys and values). Tensors `options` says are absent
+    /// are ignored placeholders.
     #[fusion(meta = meta::decode)]
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_decode(
@@ -55,6 +57,8 @@ pub trait FlashAttentionOps: Backend {
         block_table: IntTensor<Self>,
         k_new: FloatTensor<Self>,
         v_new: FloatTensor<Self>,
+        rotary_cos: FloatTensor<Self>,
+        rotary_sin: FloatTensor<Self>,
         options: DecodeOptions,
     ) -> (
         FloatTensor<Self>,
@@ -106,6 +110,8 @@ mod meta {
         _block_table: &TensorSpec,
         _k_new: &TensorSpec,
         _v_new: &TensorSpec,
+        _rotary_cos: &TensorSpec,
+        _rotary_sin: &TensorSpec,
         _options: &DecodeOptions,
     ) -> (TensorSpec, TensorSpec, TensorSpec, TensorSpec) {
         let (b, h, s_q) = (q.shape[0], q.shape[1], q.shape[2]);

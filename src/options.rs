@@ -85,4 +85,9 @@ pub struct DecodeOptions {
     pub append: bool,
     /// `cache_seqlens` as checked on the host (the kernels need not read it back).
     pub lengths: Vec<usize>,
+    /// `Some(interleaved)` where the new queries and keys turn by the rotary embedding
+    /// (`rotary_cos`, `rotary_sin`): pairs `(2i, 2i + 1)` if `interleaved`, else `(i, i +
+    /// rotary_dim / 2)`.
+    #[serde(default)]
+    pub rotary: Option<bool>,
 }

@@ -4,6 +4,7 @@
 use burn::backend::Dispatch;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use cubecl_flash_attention::decode::CacheGeometry;
+use cubecl_flash_attention::rotary::RotaryConfig;
 
 use crate::attention::{kernel_dtype, supports_flash_attention};
 use crate::fallback;
@@ -53,6 +54,20 @@ impl KvCache {
     }
 }
 
+/// Rotary position embedding of a decode step's new queries and keys (FlashAttention's
+/// `rotary_cos`, `rotary_sin`, `rotary_interleaved`): `cos`, `sin` `[positions, rotary_dim /
+/// 2]` in the dtype of `q`, with `rotary_dim` even and at most the head dim. The first
+/// `rotary_dim` columns of a row at position `p` turn by row `p`'s angles, pairs `(2i, 2i +
+/// 1)` if `interleaved`, else `(i, i + rotary_dim / 2)` (GPT-NeoX); the rest pass unchanged.
+/// New key `j` of sequence `b` is at position `cache_seqlens[b] + j`; query `i` likewise
+/// under a causal or window mask, else every query at `cache_seqlens[b]`.
+#[derive(Clone, Debug)]
+pub struct RotaryEmbedding {
+    pub cos: Tensor<2>,
+    pub sin: Tensor<2>,
+    pub interleaved: bool,
+}
+
 /// Attention of `q` `[batch, heads_q, s_q, d_qk]` against each sequence's first
 /// `cache_seqlens[b]` cached positions plus the new ones, FlashAttention's
 /// `flash_attn_with_kvcache`:
@@ -61,6 +76,8 @@ impl KvCache {
 ///   first written at positions `cache_seqlens[b] ..` of each sequence and attended to;
 ///   the returned cache holds it (written in place where the cache's buffers are not shared
 ///   with another tensor, as Burn's in-place ops);
+/// - `rotary` turns the new queries and keys to their positions first
+///   ([`RotaryEmbedding`]);
 /// - causal and window masks are bottom-right aligned: the last query sees its sequence's
 ///   last key; softcap, scale and GQA/MQA as [`flash_attention`](crate::flash_attention);
 /// - sequences of any length share one call; a sequence with no visible key gets `O = 0`.
@@ -81,10 +98,11 @@ pub fn flash_attention_with_kvcache(
     cache: KvCache,
     cache_seqlens: Tensor<1, Int>,
     new: Option<(Tensor<4>, Tensor<4>)>,
+    rotary: Option<RotaryEmbedding>,
     options: FlashAttentionOptions,
 ) -> (Tensor<4>, KvCache) {
     let (out, _, cache) =
-        flash_attention_with_kvcache_and_lse(q, cache, cache_seqlens, new, options);
+        flash_attention_with_kvcache_and_lse(q, cache, cache_seqlens, new, rotary, options);
     (out, cache)
 }
 
@@ -94,11 +112,23 @@ pub fn flash_attention_with_kvcache_and_lse(
     cache: KvCache,
     cache_seqlens: Tensor<1, Int>,
     new: Option<(Tensor<4>, Tensor<4>)>,
+    rotary: Option<RotaryEmbedding>,
     options: FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>, KvCache) {
-    let (lengths, table) = validate(&q, &cache, cache_seqlens.clone(), new.as_ref(), &options);
+    let (lengths, table) = validate(
+        &q,
+        &cache,
+        cache_seqlens.clone(),
+        new.as_ref(),
+        rotary.as_ref(),
+        &options,
+    );
     let device = q.device();
     if !supports_flash_attention(&device) {
+        let (q, new) = match &rotary {
+            Some(rotary) => fallback::rotate_new(q, new, rotary, &lengths, &options),
+            None => (q, new),
+        };
         return fallback::decode(q, cache, &lengths, table.as_deref(), new, &options);
     }
     let paged = cache.block_table.is_some();
@@ -111,6 +141,14 @@ pub fn flash_attention_with_kvcache_and_lse(
         let placeholder = Tensor::<4>::zeros([batch.max(1), 1, 1, 1], &device).cast(q.dtype());
         (placeholder.clone(), placeholder)
     });
+    // Without a rotation the tables are placeholders the kernels never read.
+    let (rotary_cos, rotary_sin) = match &rotary {
+        Some(r) => (r.cos.clone(), r.sin.clone()),
+        None => {
+            let placeholder = Tensor::<2>::zeros([1, 1], &device).cast(q.dtype());
+            (placeholder.clone(), placeholder)
+        }
+    };
     let (o, lse, k, v) = <Dispatch as FlashAttentionOps>::flash_attention_decode(
         q.into_dispatch(),
         cache.k.into_dispatch(),
@@ -119,11 +157,14 @@ pub fn flash_attention_with_kvcache_and_lse(
         block_table.clone().into_dispatch(),
         k_new.into_dispatch(),
         v_new.into_dispatch(),
+        rotary_cos.into_dispatch(),
+        rotary_sin.into_dispatch(),
         DecodeOptions {
             attention: options,
             paged,
             append,
             lengths,
+            rotary: rotary.map(|r| r.interleaved),
         },
     );
     (
@@ -145,6 +186,7 @@ fn validate(
     cache: &KvCache,
     cache_seqlens: Tensor<1, Int>,
     new: Option<&(Tensor<4>, Tensor<4>)>,
+    rotary: Option<&RotaryEmbedding>,
     options: &FlashAttentionOptions,
 ) -> (Vec<usize>, Option<Vec<i64>>) {
     const OP: &str = "flash_attention_with_kvcache";
@@ -155,6 +197,18 @@ fn validate(
     let mut floats = vec![("k_cache", &cache.k), ("v_cache", &cache.v)];
     if let Some((k, v)) = new {
         floats.extend([("k", k), ("v", v)]);
+    }
+    if let Some(r) = rotary {
+        for (arg, t) in [("rotary_cos", &r.cos), ("rotary_sin", &r.sin)] {
+            assert!(
+                t.dtype() == dtype && t.device() == q.device(),
+                "{OP}: `{arg}` has dtype {:?} on device {:?}, expected {dtype:?} on {:?} \
+                 (those of `q`)",
+                t.dtype(),
+                t.device(),
+                q.device()
+            );
+        }
     }
     for (arg, t) in floats {
         assert_eq!(
@@ -193,6 +247,20 @@ fn validate(
     let lengths = geometry
         .check_lengths(&lengths, s_new, table.as_deref())
         .unwrap_or_else(|e| panic!("{OP}: {e}"));
+    if let Some(r) = rotary {
+        let positions = lengths
+            .iter()
+            .max()
+            .map_or(0, |l| l + s_new.max(q.dims()[2]));
+        RotaryConfig::from_shapes(
+            &r.cos.dims(),
+            &r.sin.dims(),
+            r.interleaved,
+            geometry.dim_qk,
+            positions,
+        )
+        .unwrap_or_else(|e| panic!("{OP}: {e}"));
+    }
     (lengths, table)
 }
 
@@ -365,7 +433,7 @@ impl PagedKvCache {
         };
         let seqlens = Tensor::from_data(TensorData::new(lengths, [ids.len()]), &device);
         let (out, cache) =
-            flash_attention_with_kvcache(q, cache, seqlens, Some((k_new, v_new)), options);
+            flash_attention_with_kvcache(q, cache, seqlens, Some((k_new, v_new)), None, options);
         self.k = Some(cache.k);
         self.v = Some(cache.v);
         for &id in ids {

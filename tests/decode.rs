@@ -943,12 +943,14 @@ fn rotary_embedding_turns_the_new_queries_and_keys() {
 
 mod op {
     //! The Burn op `flash_attention_with_kvcache`: two decode steps on the test device and on
-    //! Flex (the composed fallback), contiguous and paged, against the oracle; the cache the
-    //! op returns carries the appended keys into the next step.
+    //! Flex (the composed fallback), contiguous and paged, the second with the rotary
+    //! embedding, against the oracle; the cache the op returns carries the appended keys into
+    //! the next step.
 
     use burn::tensor::{Device, Int, Tensor, TensorData};
     use burn_flash_attention::{
-        FlashAttentionOptions, KvCache, PagedKvCache, flash_attention_with_kvcache_and_lse,
+        FlashAttentionOptions, KvCache, PagedKvCache, RotaryEmbedding,
+        flash_attention_with_kvcache_and_lse,
     };
 
     use super::*;
@@ -1036,14 +1038,47 @@ mod op {
                         &device,
                     );
                     let lens: Vec<i64> = expected.lengths.iter().map(|&l| l as i64).collect();
+                    // The second step turns its queries and keys (interleaved pairs on the
+                    // paged cache, halves on the contiguous one, over half the head dim).
+                    let rope = (step == 1).then(|| {
+                        Rope::new(
+                            s.capacity,
+                            s.dim_qk / 2,
+                            page_size.is_some(),
+                            FloatDtype::F32,
+                        )
+                    });
+                    let rotary = rope.as_ref().map(|r| {
+                        let table = |t: &[f64]| {
+                            tensor(t, [1, 1, r.positions, r.dim / 2], &device)
+                                .reshape([r.positions, r.dim / 2])
+                        };
+                        RotaryEmbedding {
+                            cos: table(&r.cos),
+                            sin: table(&r.sin),
+                            interleaved: r.interleaved,
+                        }
+                    });
                     let (out, lse, next) = flash_attention_with_kvcache_and_lse(
                         q,
                         cache,
                         ints(lens, [s.batch], &device),
                         Some((k_new, v_new)),
+                        rotary,
                         options,
                     );
                     cache = next;
+                    if let Some(rope) = &rope {
+                        let dk = s.dim_qk;
+                        for (row, key) in expected.new_k.chunks_mut(dk).enumerate() {
+                            let seq = row / (s.heads_kv * s.s_q);
+                            rope.turn(key, expected.lengths[seq] + row % s.s_q);
+                        }
+                        for (row, query) in expected.q.chunks_mut(dk).enumerate() {
+                            let seq = row / (s.heads_q * s.s_q);
+                            rope.turn(query, expected.lengths[seq] + row % s.s_q);
+                        }
+                    }
                     let after = appended(&s, &expected);
                     let (out, lse) = (values(out), values(lse));
                     let len = |seq: usize| expected.lengths[seq] + s.s_q;
@@ -1082,6 +1117,7 @@ mod op {
             cache,
             ints(vec![3], [1], &device),
             Some((new.clone(), new)),
+            None,
             FlashAttentionOptions::default(),
         );
     }

@@ -123,6 +123,8 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         block_table: IntTensor<Self>,
         k_new: FloatTensor<Self>,
         v_new: FloatTensor<Self>,
+        rotary_cos: FloatTensor<Self>,
+        rotary_sin: FloatTensor<Self>,
         options: DecodeOptions,
     ) -> (
         FloatTensor<Self>,
@@ -138,6 +140,8 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             block_table,
             k_new.into_primitive(),
             v_new.into_primitive(),
+            rotary_cos.into_primitive(),
+            rotary_sin.into_primitive(),
             options,
         );
         (

@@ -12,6 +12,7 @@ use cubecl_flash_attention::{
     backward::{Saved, backward},
     decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
     forward::forward,
+    rotary::Rotary,
 };
 
 use crate::attention::kernel_dtype;
@@ -119,6 +120,8 @@ impl FlashAttentionOps for CubeBackend {
         block_table: IntTensor<Self>,
         k_new: FloatTensor<Self>,
         v_new: FloatTensor<Self>,
+        rotary_cos: FloatTensor<Self>,
+        rotary_sin: FloatTensor<Self>,
         options: DecodeOptions,
     ) -> (
         FloatTensor<Self>,
@@ -143,6 +146,7 @@ impl FlashAttentionOps for CubeBackend {
             device_tensor(v_cache.clone()),
         );
         let (k_new, v_new) = (device_tensor(k_new), device_tensor(v_new));
+        let (cos, sin) = (device_tensor(rotary_cos), device_tensor(rotary_sin));
         let result = decode(
             &client,
             DecodeInputs {
@@ -155,7 +159,11 @@ impl FlashAttentionOps for CubeBackend {
                 cache_seqlens: &seqlens,
                 new: options.append.then_some((&k_new, &v_new)),
                 lengths: Lengths::Known(&options.lengths),
-                rotary: None,
+                rotary: options.rotary.map(|interleaved| Rotary {
+                    cos: &cos,
+                    sin: &sin,
+                    interleaved,
+                }),
             },
             float_dtype(dtype),
             options.attention.kernel_options(),

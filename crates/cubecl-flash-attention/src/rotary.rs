@@ -43,13 +43,29 @@ impl RotaryConfig {
         head_dim: usize,
         positions: usize,
     ) -> Result<Self, FlashError> {
-        let Some(rotary) = rotary else {
-            return Ok(Self::NONE);
-        };
-        let cos = &rotary.cos.shape;
+        match rotary {
+            None => Ok(Self::NONE),
+            Some(r) => Self::from_shapes(
+                &r.cos.shape,
+                &r.sin.shape,
+                r.interleaved,
+                head_dim,
+                positions,
+            ),
+        }
+    }
+
+    /// [`RotaryConfig::new`] from the shapes of the cos and sin tables.
+    pub fn from_shapes(
+        cos: &[usize],
+        sin: &[usize],
+        interleaved: bool,
+        head_dim: usize,
+        positions: usize,
+    ) -> Result<Self, FlashError> {
         let expected = |what: String| FlashError::Shape {
             arg: "rotary_cos",
-            shape: cos.clone(),
+            shape: cos.to_vec(),
             expected: what,
         };
         let [rows, half] = cos[..] else {
@@ -67,16 +83,16 @@ impl RotaryConfig {
                 "expected at least {positions} positions (the longest sequence with its new tokens)"
             )));
         }
-        if rotary.sin.shape != *cos {
+        if sin != cos {
             return Err(FlashError::Shape {
                 arg: "rotary_sin",
-                shape: rotary.sin.shape.clone(),
+                shape: sin.to_vec(),
                 expected: format!("expected {cos:?} (the shape of `rotary_cos`)"),
             });
         }
         Ok(Self {
             dim: 2 * half,
-            interleaved: rotary.interleaved,
+            interleaved,
         })
     }
 }
