@@ -71,11 +71,6 @@ impl LanesConfig {
         self.units() / (self.lanes_per_key() * self.row_groups)
     }
 
-    /// Keys' vectors each unit copies per step (asynchronous copies).
-    pub fn copies_per_unit(&self) -> usize {
-        (self.step() * self.lanes_per_key()).div_ceil(self.units())
-    }
-
     /// Packed rows each lane keeps.
     pub fn rows_per_lane(&self) -> usize {
         self.rows / self.row_groups
@@ -417,29 +412,20 @@ fn stream_through_shared<F: Float, N: Size>(
     };
     let mut keys = Array::<Vector<F, N>>::new(unroll);
     let mut values = Array::<Vector<F, N>>::new(unroll);
-    let mut blocks = Array::<usize>::new(comptime!(config.copies_per_unit()));
     #[unroll]
     for stage in 0..comptime!(stages - 1) {
         let t = i32::cast_from(stage);
         if t < steps {
-            look_up_step(
-                table,
-                table_row,
-                page_size,
-                task,
-                task.begin + t * i32::cast_from(step),
-                &mut blocks,
-                config,
-            );
             copy_step(
                 k,
                 v,
                 k_rows,
                 v_rows,
+                table,
+                table_row,
                 page_size,
                 task,
                 task.begin + t * i32::cast_from(step),
-                &blocks,
                 &mut k_tile,
                 &mut v_tile,
                 comptime!(stage * stage_len),
@@ -448,22 +434,12 @@ fn stream_through_shared<F: Float, N: Size>(
             landed.commit(stage, stages);
         }
     }
-    let first_refill = i32::cast_from(stages - 1);
-    look_up_step(
-        table,
-        table_row,
-        page_size,
-        task,
-        task.begin + first_refill * i32::cast_from(step),
-        &mut blocks,
-        config,
-    );
     for t in 0..steps {
         let stage = usize::cast_from(t) % stages;
         landed.wait(stage, stages);
         // Every unit is past step t − 1 once the wait returns: its stage takes step
-        // t + stages − 1, whose blocks were looked up during step t − 1.
-        let ahead = t + first_refill;
+        // t + stages − 1.
+        let ahead = t + i32::cast_from(stages - 1);
         if ahead < steps {
             let refill = (stage + stages - 1) % stages;
             copy_step(
@@ -471,25 +447,17 @@ fn stream_through_shared<F: Float, N: Size>(
                 v,
                 k_rows,
                 v_rows,
+                table,
+                table_row,
                 page_size,
                 task,
                 task.begin + ahead * i32::cast_from(step),
-                &blocks,
                 &mut k_tile,
                 &mut v_tile,
                 refill * stage_len,
                 config,
             );
             landed.commit(refill, stages);
-            look_up_step(
-                table,
-                table_row,
-                page_size,
-                task,
-                task.begin + (ahead + 1) * i32::cast_from(step),
-                &mut blocks,
-                config,
-            );
         }
         let k0 = task.begin + t * i32::cast_from(step);
         let offset = stage * stage_len;
@@ -539,46 +507,10 @@ impl StageBarriers {
     }
 }
 
-/// The cache block (a sequence's, or a page) of each key this unit copies in the step from
-/// `k0`. Looked up one step before the copies are issued, a paged cache's table read is off
-/// their path.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn look_up_step(
-    table: &Tensor<i32>,
-    table_row: usize,
-    page_size: FastDivmod<u32>,
-    task: &DecodeTask,
-    k0: i32,
-    blocks: &mut Array<usize>,
-    #[comptime] config: LanesConfig,
-) {
-    let lanes_per_key = comptime!(config.lanes_per_key());
-    let units = comptime!(config.units());
-    let copies = comptime!(config.step() * config.lanes_per_key());
-    #[unroll]
-    for n in 0..comptime!(copies.div_ceil(units)) {
-        let position = k0 + i32::cast_from((n * units + UNIT_POS as usize) / lanes_per_key);
-        let mut block = task.batch;
-        if position < task.end {
-            block = cache_slot(
-                table,
-                table_row,
-                task.batch,
-                usize::cast_from(position),
-                page_size,
-                config.paged,
-            )
-            .block;
-        }
-        blocks[n] = block;
-    }
-}
-
 /// Starts the copies of the `step` keys and values from key `k0` into a stage (from
-/// `offset`): key `j` of the step in row `j`, its `lanes_per_key` vectors side by side, from
-/// the blocks [`look_up_step`] found. Keys at or past the split's end are zeroed with plain
-/// stores (visible after the same wait).
+/// `offset`): key `j` of the step in row `j`, its `lanes_per_key` vectors side by side.
+/// Keys at or past the split's end are zeroed with plain stores (visible after the same
+/// wait) and never looked up.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_step<F: Float, N: Size>(
@@ -586,10 +518,11 @@ fn copy_step<F: Float, N: Size>(
     v: &Tensor<Vector<F, N>>,
     k_rows: &RowLayout,
     v_rows: &RowLayout,
+    table: &Tensor<i32>,
+    table_row: usize,
     page_size: FastDivmod<u32>,
     task: &DecodeTask,
     k0: i32,
-    blocks: &Array<usize>,
     k_tile: &mut Shared<[Vector<F, N>]>,
     v_tile: &mut Shared<[Vector<F, N>]>,
     offset: usize,
@@ -606,17 +539,21 @@ fn copy_step<F: Float, N: Size>(
             let chunk = idx % lanes_per_key;
             let to = offset + idx;
             if position < task.end {
-                let mut row = usize::cast_from(position);
-                if config.paged {
-                    row = usize::cast_from(page_size.modulo(u32::cast_from(position)));
-                }
-                let from = k_rows.offset(blocks[n], task.head_kv, row) + chunk;
+                let at = cache_slot(
+                    table,
+                    table_row,
+                    task.batch,
+                    usize::cast_from(position),
+                    page_size,
+                    config.paged,
+                );
+                let from = k_rows.offset(at.block, task.head_kv, at.row) + chunk;
                 copy_async(
                     &k[from..from + 1],
                     &mut k_tile[to..to + 1],
                     config.vector as u32,
                 );
-                let from = v_rows.offset(blocks[n], task.head_kv, row) + chunk;
+                let from = v_rows.offset(at.block, task.head_kv, at.row) + chunk;
                 copy_async(
                     &v[from..from + 1],
                     &mut v_tile[to..to + 1],
