@@ -653,7 +653,6 @@ pub fn decode(
         Splits::Auto => choose_splits(SplitInputs {
             cubes,
             multiprocessors: limits.multiprocessors,
-            resident: limits.max_shared_memory / (kernel.shared_bytes(dtype.size()) + 1024).max(1),
             key_blocks,
             max_blocks_per_split: match &kernel {
                 Kernel::Staged(config) => loop_budget::decode_max_blocks(config, &limits),
@@ -857,14 +856,6 @@ impl Kernel {
         match self {
             Self::Lanes(c) => c.step(),
             Self::Staged(c) => c.block_kv,
-        }
-    }
-
-    /// Shared memory of one cube, in bytes.
-    fn shared_bytes(&self, elem: usize) -> usize {
-        match self {
-            Self::Lanes(c) => c.shared_bytes(elem),
-            Self::Staged(c) => c.shared_bytes(),
         }
     }
 

@@ -5,7 +5,7 @@
 //! each key range over several cubes fills the device; every split costs a partial output
 //! written and read again by the merge, so a split should still read several key blocks.
 
-/// Most cubes per multiprocessor the splits aim for: a memory-bound kernel wants several in
+/// Cubes per multiprocessor the splits aim for: a memory-bound kernel wants several in
 /// flight per multiprocessor to hide the latency of its loads.
 pub const CUBES_PER_MULTIPROCESSOR: usize = 4;
 /// Fewest key blocks a split reads (when the device is not to be filled otherwise).
@@ -20,9 +20,6 @@ pub struct SplitInputs {
     pub cubes: usize,
     /// Multiprocessors (SMs, CUs) of the device.
     pub multiprocessors: usize,
-    /// Cubes of the kernel one multiprocessor holds at once (its shared memory over the
-    /// cube's), at most [`CUBES_PER_MULTIPROCESSOR`].
-    pub resident: usize,
     /// Key blocks of the longest sequence.
     pub key_blocks: usize,
     /// Most key blocks one cube may read, where the device limits the loop iterations of a
@@ -30,20 +27,18 @@ pub struct SplitInputs {
     pub max_blocks_per_split: Option<usize>,
 }
 
-/// The split count: as many cubes as the device holds at once, and no more (a second,
-/// partial wave of cubes would take as long as the first), each split reading at least
+/// The split count: enough cubes to fill the device, each split reading at least
 /// [`MIN_BLOCKS_PER_SPLIT`] blocks, at most [`MAX_SPLITS`]; and at least what the loop
 /// budget needs. Never more splits than key blocks, never fewer than 1.
 pub fn choose_splits(inputs: SplitInputs) -> usize {
     let SplitInputs {
         cubes,
         multiprocessors,
-        resident,
         key_blocks,
         max_blocks_per_split,
     } = inputs;
-    let target = resident.clamp(1, CUBES_PER_MULTIPROCESSOR) * multiprocessors.max(1);
-    let to_fill = (target / cubes.max(1)).max(1);
+    let target = CUBES_PER_MULTIPROCESSOR * multiprocessors.max(1);
+    let to_fill = target.div_ceil(cubes.max(1));
     let by_length = key_blocks / MIN_BLOCKS_PER_SPLIT;
     let mut splits = to_fill.min(by_length).min(MAX_SPLITS);
     if let Some(most) = max_blocks_per_split {
@@ -60,7 +55,6 @@ mod tests {
         choose_splits(SplitInputs {
             cubes,
             multiprocessors: 132,
-            resident: 4,
             key_blocks,
             max_blocks_per_split: None,
         })
@@ -79,26 +73,8 @@ mod tests {
         let s = splits(8, 1024);
         assert_eq!(s, 66);
         assert!(8 * s >= 4 * 132);
-        // Batch 8: 64 cubes, one wave of 512.
-        assert_eq!(splits(64, 1024), 8);
-    }
-
-    #[test]
-    fn splits_fill_one_wave_and_no_more() {
-        for (cubes, resident) in [(8, 3), (64, 3), (24, 4), (100, 2)] {
-            let s = choose_splits(SplitInputs {
-                cubes,
-                multiprocessors: 132,
-                resident,
-                key_blocks: 1 << 20,
-                max_blocks_per_split: None,
-            });
-            let wave = 132 * resident;
-            assert!(
-                cubes * s <= wave && cubes * (s + 1) > wave,
-                "{cubes} cubes: {s}"
-            );
-        }
+        // Batch 8: 64 cubes.
+        assert_eq!(splits(64, 1024), 9);
     }
 
     #[test]
@@ -114,7 +90,6 @@ mod tests {
         let s = choose_splits(SplitInputs {
             cubes: 2048,
             multiprocessors: 16,
-            resident: 4,
             key_blocks: 1000,
             max_blocks_per_split: Some(100),
         });
@@ -122,7 +97,6 @@ mod tests {
         let s = choose_splits(SplitInputs {
             cubes: 1,
             multiprocessors: 16,
-            resident: 4,
             key_blocks: 1000,
             max_blocks_per_split: Some(3),
         });
