@@ -362,6 +362,49 @@ impl PagedKvCache {
         self.free.len()
     }
 
+    /// Checks a step's tensors against the pages before any page is handed out or the pages
+    /// leave the pool for the op (a panic past that point would lose them).
+    fn check_step(
+        &self,
+        n: usize,
+        q: &Tensor<4>,
+        k_new: &Tensor<4>,
+        v_new: &Tensor<4>,
+        options: &FlashAttentionOptions,
+    ) {
+        const OP: &str = "PagedKvCache::step";
+        let pages = self
+            .k
+            .as_ref()
+            .expect("the pages are present between steps");
+        let values = self
+            .v
+            .as_ref()
+            .expect("the pages are present between steps");
+        for (arg, t) in [("q", q), ("k_new", k_new), ("v_new", v_new)] {
+            assert!(
+                t.dtype() == pages.dtype() && t.device() == pages.device(),
+                "{OP}: `{arg}` has dtype {:?} on device {:?}, expected {:?} on {:?} (the pages')",
+                t.dtype(),
+                t.device(),
+                pages.dtype(),
+                pages.device()
+            );
+        }
+        let dtype = kernel_dtype(q.dtype()).unwrap_or_else(|| {
+            panic!(
+                "{OP}: `q` has dtype {:?}, expected F32, F16 or BF16",
+                q.dtype()
+            )
+        });
+        CacheGeometry::from_shapes(&pages.dims(), &values.dims(), Some(&[n, self.max_pages]), n)
+            .and_then(|g| {
+                g.problem(&q.dims(), dtype, options.kernel_options())?;
+                g.check_new(&k_new.dims(), &v_new.dims())
+            })
+            .unwrap_or_else(|e| panic!("{OP}: {e}"));
+    }
+
     fn sequence(&self, id: usize) -> &Sequence {
         self.sequences
             .get(id)
@@ -375,8 +418,9 @@ impl PagedKvCache {
     /// ([`flash_attention_with_kvcache`]). Returns `O` `[n, heads_q, s_q, d_v]`.
     ///
     /// # Panics
-    /// When the pool or a sequence's `max_pages` runs out (nothing is written then), on an
-    /// unknown or repeated id, and on the op's own misuse.
+    /// When the pool or a sequence's `max_pages` runs out, on an unknown or repeated id, and
+    /// on tensors whose shapes, dtypes or devices do not fit the pages; nothing changes then,
+    /// and the cache serves the next step.
     pub fn step(
         &mut self,
         ids: &[usize],
@@ -385,6 +429,7 @@ impl PagedKvCache {
         v_new: Tensor<4>,
         options: FlashAttentionOptions,
     ) -> Tensor<4> {
+        self.check_step(ids.len(), &q, &k_new, &v_new, &options);
         let s_new = k_new.dims()[2];
         let mut seen = std::collections::HashSet::new();
         let mut needed = 0;

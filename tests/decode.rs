@@ -1191,5 +1191,22 @@ mod op {
         history[c] = (vec![Vec::new(); hkv], vec![Vec::new(); hkv]);
         step(&mut cache, &mut history, &[c], 4);
         step(&mut cache, &mut history, &[b, c], 1);
+
+        // A step whose new keys do not fit the pages is refused before it takes a page or
+        // the pages leave the pool, and the cache serves the next step.
+        let free = cache.free_pages();
+        let q = Tensor::<4>::zeros([1, hq, 1, d], &device);
+        let wrong = Tensor::<4>::zeros([1, hkv, 1, d + 1], &device);
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            cache.step(&[b], q, wrong.clone(), wrong, options)
+        }));
+        let message = refused.expect_err("a step with wrong new keys ran");
+        let message = message
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_default();
+        assert!(message.contains("`k`"), "{message}");
+        assert_eq!(cache.free_pages(), free);
+        step(&mut cache, &mut history, &[c, b], 1);
     }
 }
