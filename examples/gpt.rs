@@ -19,10 +19,11 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_flash_attention::{FlashAttentionOptions, flash_attention};
 use clap::Parser;
-use rand::{Rng, SeedableRng, rngs::StdRng};
 
-const TEXT: &str = include_str!("data/lighthouse.txt");
-const VOCAB: usize = 256;
+#[path = "shared/mod.rs"]
+mod shared;
+
+use shared::{TEXT, VOCAB, batches, device};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -174,50 +175,6 @@ impl Gpt {
     }
 }
 
-fn device(name: &str) -> Device {
-    match name {
-        #[cfg(feature = "cuda")]
-        "cuda" => Device::cuda(0),
-        #[cfg(feature = "rocm")]
-        "rocm" => Device::rocm(0),
-        #[cfg(feature = "wgpu")]
-        "wgpu" => Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
-        #[cfg(feature = "wgpu")]
-        "wgpu-cpu" => {
-            if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-                // SAFETY: no other thread runs yet.
-                unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-            }
-            Device::wgpu(burn::tensor::DeviceKind::Cpu)
-        }
-        "flex" => Device::flex(),
-        other => {
-            panic!("--device {other}: not compiled in (features: cuda, rocm, wgpu) or unknown")
-        }
-    }
-}
-
-/// `steps` batches of random windows of the text: inputs and next-byte targets.
-fn batches(args: &Args) -> Vec<(Vec<i64>, Vec<i64>)> {
-    let bytes = TEXT.as_bytes();
-    let mut rng = StdRng::seed_from_u64(7);
-    (0..args.steps)
-        .map(|_| {
-            let (mut x, mut y) = (Vec::new(), Vec::new());
-            for _ in 0..args.batch {
-                let start = rng.random_range(0..bytes.len() - args.seq - 1);
-                x.extend(bytes[start..start + args.seq].iter().map(|&c| c as i64));
-                y.extend(
-                    bytes[start + 1..start + args.seq + 1]
-                        .iter()
-                        .map(|&c| c as i64),
-                );
-            }
-            (x, y)
-        })
-        .collect()
-}
-
 /// Trains a copy of `model`; returns the losses and the median step time in seconds.
 fn train(
     model: Gpt,
@@ -252,7 +209,7 @@ fn main() {
     let args = Args::parse();
     assert!(args.seq < TEXT.len(), "--seq must be shorter than the text");
     let device = device(&args.device).autodiff();
-    let data = batches(&args);
+    let data = batches(args.steps, args.batch, args.seq);
     let model = Gpt::new(&args, &device);
     println!(
         "GPT: {} layers, d_model {}, {}/{} heads, seq {}, batch {}, {} parameters, device {device:?}",

@@ -116,66 +116,17 @@ pub(crate) fn rotate_new(
 ) -> (Tensor<4>, Option<(Tensor<4>, Tensor<4>)>) {
     let s_q = q.dims()[2];
     let masked = options.kernel_options().mask.is_masked();
-    let q_positions = lengths
+    let q_positions: Vec<usize> = lengths
         .iter()
         .flat_map(|&len| (0..s_q).map(move |i| len + if masked { i } else { 0 }))
         .collect();
-    let q = rotate(q, q_positions, rotary);
+    let q = rotary.apply(q, &q_positions);
     let new = new.map(|(k, v)| {
         let s_new = k.dims()[2];
-        let positions = lengths.iter().flat_map(|&len| len..len + s_new).collect();
-        (rotate(k, positions, rotary), v)
+        let positions: Vec<usize> = lengths.iter().flat_map(|&len| len..len + s_new).collect();
+        (rotary.apply(k, &positions), v)
     });
     (q, new)
-}
-
-/// `x` `[b, h, s, d]` with row `(b, ·, i)` turned to `positions[b · s + i]`.
-fn rotate(
-    x: Tensor<4>,
-    positions: Vec<usize>,
-    rotary: &crate::serving::RotaryEmbedding,
-) -> Tensor<4> {
-    use burn::tensor::Int;
-    let [b, h, s, d] = x.dims();
-    let half = rotary.cos.dims()[1];
-    let dim = 2 * half;
-    let device = x.device();
-    let ids: Vec<i64> = positions.into_iter().map(|p| p as i64).collect();
-    let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [b * s]), &device);
-    let angles = |t: &Tensor<2>| t.clone().select(0, ids.clone()).reshape([b, 1, s, half]);
-    let (cos, sin) = (angles(&rotary.cos), angles(&rotary.sin));
-    let turned = x.clone().slice([0..b, 0..h, 0..s, 0..dim]);
-    let (first, second) = match rotary.interleaved {
-        true => {
-            let pairs = turned.reshape([b, h, s * half, 2]);
-            let column = |c: usize| pairs.clone().slice([0..b, 0..h, 0..s * half, c..c + 1]);
-            (
-                column(0).reshape([b, h, s, half]),
-                column(1).reshape([b, h, s, half]),
-            )
-        }
-        false => (
-            turned.clone().slice([0..b, 0..h, 0..s, 0..half]),
-            turned.slice([0..b, 0..h, 0..s, half..dim]),
-        ),
-    };
-    let a = first.clone() * cos.clone() - second.clone() * sin.clone();
-    let c = second * cos + first * sin;
-    let turned = match rotary.interleaved {
-        true => Tensor::cat(
-            vec![
-                a.reshape([b, h, s * half, 1]),
-                c.reshape([b, h, s * half, 1]),
-            ],
-            3,
-        )
-        .reshape([b, h, s, dim]),
-        false => Tensor::cat(vec![a, c], 3),
-    };
-    match dim < d {
-        true => Tensor::cat(vec![turned, x.slice([0..b, 0..h, 0..s, dim..d])], 3),
-        false => turned,
-    }
 }
 
 /// [`crate::flash_attention_with_kvcache_and_lse`] composed from Burn tensor ops: the new keys

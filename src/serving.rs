@@ -68,6 +68,90 @@ pub struct RotaryEmbedding {
     pub interleaved: bool,
 }
 
+impl RotaryEmbedding {
+    /// The usual tables: pair `i` of position `p` turns by `p · base^(−2i / rotary_dim)`
+    /// (`base` 10 000 in LLaMA), for `positions` positions, in `dtype`.
+    pub fn new(
+        positions: usize,
+        rotary_dim: usize,
+        base: f64,
+        interleaved: bool,
+        dtype: burn::tensor::DType,
+        device: &Device,
+    ) -> Self {
+        assert!(
+            rotary_dim >= 2 && rotary_dim.is_multiple_of(2),
+            "RotaryEmbedding: `rotary_dim` must be even and at least 2, got {rotary_dim}"
+        );
+        let half = rotary_dim / 2;
+        let angle = |n: usize| {
+            let (p, i) = (n / half, n % half);
+            p as f64 * base.powf(-2.0 * i as f64 / rotary_dim as f64)
+        };
+        let table = |f: fn(f64) -> f64| {
+            let values: Vec<f32> = (0..positions * half).map(|n| f(angle(n)) as f32).collect();
+            Tensor::<2>::from_data(TensorData::new(values, [positions, half]), device).cast(dtype)
+        };
+        Self {
+            cos: table(f64::cos),
+            sin: table(f64::sin),
+            interleaved,
+        }
+    }
+
+    /// `x` `[b, h, s, d]` with row `(b, ·, i)` turned to `positions[b · s + i]`, from Burn
+    /// ops (for a model's training forward; decode turns its new queries and keys inside
+    /// [`flash_attention_with_kvcache`]).
+    pub fn apply(&self, x: Tensor<4>, positions: &[usize]) -> Tensor<4> {
+        let [b, h, s, d] = x.dims();
+        assert_eq!(
+            positions.len(),
+            b * s,
+            "RotaryEmbedding::apply: {} positions for {b} × {s} rows",
+            positions.len()
+        );
+        let half = self.cos.dims()[1];
+        let dim = 2 * half;
+        let device = x.device();
+        let ids: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [b * s]), &device);
+        let angles = |t: &Tensor<2>| t.clone().select(0, ids.clone()).reshape([b, 1, s, half]);
+        let (cos, sin) = (angles(&self.cos), angles(&self.sin));
+        let turned = x.clone().slice([0..b, 0..h, 0..s, 0..dim]);
+        let (first, second) = match self.interleaved {
+            true => {
+                let pairs = turned.reshape([b, h, s * half, 2]);
+                let column = |c: usize| pairs.clone().slice([0..b, 0..h, 0..s * half, c..c + 1]);
+                (
+                    column(0).reshape([b, h, s, half]),
+                    column(1).reshape([b, h, s, half]),
+                )
+            }
+            false => (
+                turned.clone().slice([0..b, 0..h, 0..s, 0..half]),
+                turned.slice([0..b, 0..h, 0..s, half..dim]),
+            ),
+        };
+        let a = first.clone() * cos.clone() - second.clone() * sin.clone();
+        let c = second * cos + first * sin;
+        let turned = match self.interleaved {
+            true => Tensor::cat(
+                vec![
+                    a.reshape([b, h, s * half, 1]),
+                    c.reshape([b, h, s * half, 1]),
+                ],
+                3,
+            )
+            .reshape([b, h, s, dim]),
+            false => Tensor::cat(vec![a, c], 3),
+        };
+        match dim < d {
+            true => Tensor::cat(vec![turned, x.slice([0..b, 0..h, 0..s, dim..d])], 3),
+            false => turned,
+        }
+    }
+}
+
 /// Attention of `q` `[batch, heads_q, s_q, d_qk]` against each sequence's first
 /// `cache_seqlens[b]` cached positions plus the new ones, FlashAttention's
 /// `flash_attn_with_kvcache`:
@@ -286,7 +370,7 @@ pub(crate) fn host_ints<const D: usize>(t: Tensor<D, Int>) -> Vec<i64> {
 /// let b = cache.add_sequence();
 /// // One decode step of both: q [2, 32, 1, 128], new k/v [2, 8, 1, 128].
 /// # let (q, k, v) = (Tensor::<4>::zeros([2, 32, 1, 128], &device), Tensor::<4>::zeros([2, 8, 1, 128], &device), Tensor::<4>::zeros([2, 8, 1, 128], &device));
-/// let out = cache.step(&[a, b], q, k, v, FlashAttentionOptions::default().with_causal(true));
+/// let out = cache.step(&[a, b], q, k, v, None, FlashAttentionOptions::default().with_causal(true));
 /// cache.remove_sequence(a);
 /// ```
 #[derive(Debug)]
@@ -413,9 +497,10 @@ impl PagedKvCache {
     }
 
     /// One step of the sequences `ids` (in the batch order of `q`): `k_new`/`v_new` `[n,
-    /// heads_kv, s_new, d]` are appended to each (pages taken from the pool as needed), then
-    /// `q` `[n, heads_q, s_q, d_qk]` attends to each sequence's positions
-    /// ([`flash_attention_with_kvcache`]). Returns `O` `[n, heads_q, s_q, d_v]`.
+    /// heads_kv, s_new, d]` are appended to each (pages taken from the pool as needed, keys
+    /// turned by `rotary` to their positions), then `q` `[n, heads_q, s_q, d_qk]` attends to
+    /// each sequence's positions ([`flash_attention_with_kvcache`]). Returns `O` `[n,
+    /// heads_q, s_q, d_v]`.
     ///
     /// # Panics
     /// When the pool or a sequence's `max_pages` runs out, on an unknown or repeated id, and
@@ -427,6 +512,7 @@ impl PagedKvCache {
         q: Tensor<4>,
         k_new: Tensor<4>,
         v_new: Tensor<4>,
+        rotary: Option<&RotaryEmbedding>,
         options: FlashAttentionOptions,
     ) -> Tensor<4> {
         self.check_step(ids.len(), &q, &k_new, &v_new, &options);
@@ -477,8 +563,14 @@ impl PagedKvCache {
             )),
         };
         let seqlens = Tensor::from_data(TensorData::new(lengths, [ids.len()]), &device);
-        let (out, cache) =
-            flash_attention_with_kvcache(q, cache, seqlens, Some((k_new, v_new)), None, options);
+        let (out, cache) = flash_attention_with_kvcache(
+            q,
+            cache,
+            seqlens,
+            Some((k_new, v_new)),
+            rotary.cloned(),
+            options,
+        );
         self.k = Some(cache.k);
         self.v = Some(cache.v);
         for &id in ids {

@@ -1144,6 +1144,7 @@ mod op {
                 tensor(&q, [n, hq, s_new, d], &device),
                 tensor(&k, [n, hkv, s_new, d], &device),
                 tensor(&v, [n, hkv, s_new, d], &device),
+                None,
                 options,
             );
             let out = values(out);
@@ -1198,7 +1199,7 @@ mod op {
         let q = Tensor::<4>::zeros([1, hq, 1, d], &device);
         let wrong = Tensor::<4>::zeros([1, hkv, 1, d + 1], &device);
         let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            cache.step(&[b], q, wrong.clone(), wrong, options)
+            cache.step(&[b], q, wrong.clone(), wrong, None, options)
         }));
         let message = refused.expect_err("a step with wrong new keys ran");
         let message = message

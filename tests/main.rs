@@ -5,6 +5,7 @@
 
 mod common;
 mod decode;
+mod examples;
 mod kernels;
 mod op;
 mod oracle;
