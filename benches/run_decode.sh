@@ -6,7 +6,8 @@
 #   benches/run_decode.sh BIN_DIR OUT_DIR
 #
 # Grid: d 128, bf16, one query token; cache lengths 1k…128k, batch 1/8/32, GQA 32:8
-# (contiguous, pages of 1, 16, 64, 256) and 8:1 (contiguous).
+# (contiguous, pages of 1, 16, 64, 256) and 8:1 (contiguous); the queries turned by the
+# rotary embedding at 32:8, 4k and 32k (its cost against the plain run).
 set -euo pipefail
 bin="$1"
 out="$2"
@@ -17,5 +18,7 @@ lens=1024,4096,16384,32768,131072
   --pages 0,1,16,64,256 --seconds 0.1 --json "$out/ours_decode_gqa4.json"
 "$bin/bench_decode" --device cuda --lens "$lens" --batches 1,8,32 --heads 8:1 \
   --pages 0 --seconds 0.1 --json "$out/ours_decode_gqa8.json"
+"$bin/bench_decode" --device cuda --lens 4096,32768 --batches 1,8,32 --heads 32:8 \
+  --pages 0 --seconds 0.1 --rotary --json "$out/ours_decode_rotary.json"
 python3 "$here/torch_decode.py" --lens "$lens" --batches 1,8,32 --heads 32:8,8:1 \
   --json "$out/torch_decode.json"

@@ -15,6 +15,7 @@ use std::time::Instant;
 use burn_flash_attention::kernels::{
     AttentionOptions, DeviceTensor, FloatDtype,
     decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
+    rotary::Rotary,
 };
 use clap::Parser;
 use serde::Serialize;
@@ -51,6 +52,10 @@ struct Args {
     seconds: f64,
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Turn the queries by the rotary embedding (half-split, the whole head dim), as a
+    /// model with RoPE does at every step (records named `ours rotary`).
+    #[arg(long)]
+    rotary: bool,
 }
 
 #[derive(Serialize)]
@@ -119,6 +124,11 @@ fn main() {
                 for &page in &args.pages {
                     for &forced in &args.splits {
                         let q = DeviceTensor::empty(&client, &[b, h_q, 1, d], dtype.size());
+                        let tables = args.rotary.then(|| {
+                            let table =
+                                || DeviceTensor::empty(&client, &[len + 1, d / 2], dtype.size());
+                            (table(), table())
+                        });
                         let (k, v, table) = if page == 0 {
                             (
                                 DeviceTensor::empty(&client, &[b, h_kv, len, d], dtype.size()),
@@ -156,7 +166,11 @@ fn main() {
                                     cache_seqlens: &seqlens,
                                     new: None,
                                     lengths: Lengths::Known(&lengths),
-                                    rotary: None,
+                                    rotary: tables.as_ref().map(|(cos, sin)| Rotary {
+                                        cos,
+                                        sin,
+                                        interleaved: false,
+                                    }),
                                 },
                                 dtype,
                                 AttentionOptions::default(),
@@ -197,7 +211,10 @@ fn main() {
                         let ms = times[times.len() / 2];
                         let host_ms = host_times[host_times.len() / 2];
                         let record = Record {
-                            implementation: "ours".into(),
+                            implementation: match args.rotary {
+                                true => "ours rotary".into(),
+                                false => "ours".into(),
+                            },
                             b,
                             h_q,
                             h_kv,
