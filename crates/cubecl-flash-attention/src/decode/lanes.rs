@@ -1,16 +1,20 @@
-//! The decode kernel for GPUs: each cached key is read by a group of lanes, 16 bytes a lane,
-//! and nothing passes through shared memory until the end.
+//! The decode kernel for GPUs: each cached key is read by a group of lanes, 16 bytes a lane.
 //!
 //! Decode reads every cached byte once and does little arithmetic on it: what counts is
 //! how many bytes are in flight. Here the `dim / vector` lanes of a *key slot* hold one key
 //! row between them, one 16-byte vector each (d = 128 in bf16: 16 lanes, two slots per
 //! 32-lane plane), and a cube's slots take consecutive keys, so a plane's loads are whole
-//! rows. Each lane keeps, for every packed query row of the cube ([`super::task`]), its
-//! slice of the query and of the output accumulator in registers. Per step a slot loads
-//! `unroll` keys and their values (the next step's loads are issued before this step's
-//! arithmetic), scores them (a dot of the lane's slices, summed over the slot's lanes by
-//! plane shuffles), and folds them into its own online softmax. At the end the slots'
-//! partial results meet in shared memory and are merged by their maxima, as splits are.
+//! rows. Each lane keeps its slice of the query and of the output accumulator of up to 4
+//! packed query rows ([`super::task`]) in registers; with more rows, `row_groups` groups of
+//! lanes share a slot, each with its own rows. Per step a slot scores `unroll` keys (a dot
+//! of the lane's slices, summed over the slot's lanes by plane shuffles) and folds them and
+//! their values into its own online softmax. At the end the slots' partial results meet in
+//! shared memory and are merged by their maxima, as splits are.
+//!
+//! K and V reach the lanes one of two ways: on CUDA sm_80+ through `stages` shared-memory
+//! stages filled by asynchronous copies (`stages − 1` steps in flight while the cube
+//! computes on one, without holding registers); elsewhere straight into registers, the
+//! next step's loads issued before this step's arithmetic.
 //!
 //! It needs plane shuffles, `dim_qk = dim_v`, a head dim of whole vectors whose vector
 //! count divides the plane, and caches readable by 16-byte loads; [`super::kernel`] takes
