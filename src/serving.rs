@@ -216,33 +216,28 @@ pub fn flash_attention_with_kvcache_and_lse(
         return fallback::decode(q, cache, &lengths, table.as_deref(), new, &options);
     }
     let paged = cache.block_table.is_some();
-    let batch = q.dims()[0];
+    let append = new.is_some();
+    // Tensors the options say are absent are never read: ones already at hand stand in for
+    // them (no allocation per call).
     let block_table = cache
         .block_table
-        .unwrap_or_else(|| Tensor::zeros([1, 1], &device));
-    let append = new.is_some();
-    let (k_new, v_new) = new.unwrap_or_else(|| {
-        let placeholder = Tensor::<4>::zeros([batch.max(1), 1, 1, 1], &device).cast(q.dtype());
-        (placeholder.clone(), placeholder)
-    });
-    // Without a rotation the tables are placeholders the kernels never read.
+        .clone()
+        .unwrap_or_else(|| cache_seqlens.clone().unsqueeze_dim(1));
+    let (k_new, v_new) = new.unwrap_or_else(|| (q.clone(), q.clone()));
     let (rotary_cos, rotary_sin) = match &rotary {
-        Some(r) => (r.cos.clone(), r.sin.clone()),
-        None => {
-            let placeholder = Tensor::<2>::zeros([1, 1], &device).cast(q.dtype());
-            (placeholder.clone(), placeholder)
-        }
+        Some(r) => (r.cos.clone().into_dispatch(), r.sin.clone().into_dispatch()),
+        None => (q.clone().into_dispatch(), q.clone().into_dispatch()),
     };
     let (o, lse, k, v) = <Dispatch as FlashAttentionOps>::flash_attention_decode(
         q.into_dispatch(),
         cache.k.into_dispatch(),
         cache.v.into_dispatch(),
         cache_seqlens.into_dispatch(),
-        block_table.clone().into_dispatch(),
+        block_table.into_dispatch(),
         k_new.into_dispatch(),
         v_new.into_dispatch(),
-        rotary_cos.into_dispatch(),
-        rotary_sin.into_dispatch(),
+        rotary_cos,
+        rotary_sin,
         DecodeOptions {
             attention: options,
             paged,
@@ -257,7 +252,7 @@ pub fn flash_attention_with_kvcache_and_lse(
         KvCache {
             k: Tensor::from_dispatch(k),
             v: Tensor::from_dispatch(v),
-            block_table: paged.then_some(block_table),
+            block_table: cache.block_table,
         },
     )
 }

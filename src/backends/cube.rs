@@ -140,7 +140,12 @@ impl FlashAttentionOps for CubeBackend {
             false => (k_cache, v_cache),
         };
         let index = |t: CubeTensor| device_tensor(cast(t, DType::I32));
-        let (seqlens, table) = (index(cache_seqlens), index(block_table));
+        let seqlens = index(cache_seqlens);
+        // A contiguous cache's table is a placeholder the kernels never read.
+        let table = match options.paged {
+            true => index(block_table),
+            false => seqlens.clone(),
+        };
         let (k, v) = (
             device_tensor(k_cache.clone()),
             device_tensor(v_cache.clone()),
