@@ -11,3 +11,4 @@ mod op;
 mod oracle;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod sources;
+mod varlen;

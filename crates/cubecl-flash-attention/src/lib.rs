@@ -3,6 +3,8 @@
 //!
 //! - [`forward::forward`]: `O` and the LSE of `softmax(Q·Kᵀ·scale)·V`;
 //! - [`backward::backward`]: `dQ`, `dK`, `dV` from `dO`, recomputing the scores;
+//! - [`forward::forward_packed`], [`backward::backward_packed`]: the same for a packed batch
+//!   of variable-length sequences ([`sequence`]);
 //! - [`decode::decode`]: serving, new queries against a contiguous or paged KV cache
 //!   (appended in place), the key range split over cubes;
 //! - [`reference`]: the f64 CPU oracle every kernel is tested against.
@@ -24,6 +26,7 @@ pub mod problem;
 pub mod reference;
 pub mod rotary;
 pub mod score;
+pub mod sequence;
 pub mod softmax;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod sources;
@@ -35,6 +38,7 @@ pub use error::FlashError;
 pub use launch::DeviceTensor;
 pub use mask::MaskSpec;
 pub use problem::{AttentionOptions, AttentionProblem, FloatDtype};
+pub use sequence::PackedSequences;
 
 // The LLVM symbols of cubecl's unused LLVM code path (see docs/offline-build.md).
 #[cfg(any(feature = "cuda", feature = "rocm"))]

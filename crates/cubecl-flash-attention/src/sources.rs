@@ -349,9 +349,16 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
     let limits = DeviceLimits::from_properties(&props);
     let mut out: Vec<Result<KernelSource, String>> = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for problem in shipped_problems() {
-        for (name, kernel) in kernels(&problem, &limits, target, props.clone()) {
-            let name = format!("{name}_{}", variant_suffix(&problem));
+    // Packed batches change only how a cube finds its sequence: their forms are checked for
+    // one head dim with every option.
+    let variants = shipped_problems().into_iter().flat_map(|problem| {
+        let packed = (problem.dim_qk, problem.dim_v) == (128, 128) && problem.options.mask.causal;
+        [Some((problem, false)), packed.then_some((problem, true))]
+    });
+    for (problem, packed) in variants.flatten() {
+        for (name, kernel) in kernels(&problem, &limits, target, props.clone(), packed) {
+            let packed_suffix = if packed { "_packed" } else { "" };
+            let name = format!("{name}{packed_suffix}_{}", variant_suffix(&problem));
             if !seen.insert(name.clone()) {
                 continue;
             }
@@ -429,12 +436,14 @@ fn settings(units: usize) -> KernelSettings {
     )
 }
 
-/// Every kernel the launchers run for `problem` on a device with `limits`, by name.
+/// Every kernel the launchers run for `problem` on a device with `limits`, by name; with
+/// `packed`, the training kernels' forms for packed variable-length batches.
 fn kernels(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
     target: Target,
     props: Arc<DeviceProperties>,
+    packed: bool,
 ) -> Vec<(&'static str, KernelResult)> {
     let tprops = match target.language() {
         Language::Cuda => cuda::target_properties(),
@@ -456,19 +465,22 @@ fn kernels(
                 tensor(),
                 tensor(),
                 tensor(),
+                tensor(),
+                tensor(),
                 (),
                 (),
                 (),
                 (),
                 (),
                 c,
+                packed,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
     ));
     // Serving: the decode kernel (one new token, GQA rows packed) contiguous and unsplit,
     // paged and split, at d = 64 and 128; the append and the merge once per dtype.
-    if matches!((problem.dim_qk, problem.dim_v), (64, 64) | (128, 128)) {
+    if !packed && matches!((problem.dim_qk, problem.dim_v), (64, 64) | (128, 128)) {
         let decode_problem = AttentionProblem {
             seq_q: 1,
             ..*problem
@@ -623,11 +635,14 @@ fn kernels(
                 tensor(),
                 tensor(),
                 tensor(),
+                tensor(),
+                tensor(),
                 (),
                 (),
                 (),
                 (),
                 c,
+                packed,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
@@ -646,11 +661,14 @@ fn kernels(
                 tensor(),
                 tensor(),
                 tensor(),
+                tensor(),
+                tensor(),
                 (),
                 (),
                 (),
                 (),
                 c,
+                packed,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
@@ -686,6 +704,8 @@ fn kernels(
                         tensor(),
                         tensor(),
                         tensor(),
+                        tensor(),
+                        tensor(),
                         row_layout(),
                         row_layout(),
                         row_layout(),
@@ -695,6 +715,7 @@ fn kernels(
                         (),
                         (),
                         c,
+                        packed,
                         elem,
                     )) as Box<dyn CubeKernel>
                 }),
@@ -748,6 +769,8 @@ fn kernels(
                                 tensor(),
                                 tensor(),
                                 tensor(),
+                                tensor(),
+                                tensor(),
                                 row_layout(),
                                 row_layout(),
                                 row_layout(),
@@ -761,6 +784,7 @@ fn kernels(
                                 (),
                                 c,
                                 gradients,
+                                packed,
                                 elem,
                             ),
                         )),
@@ -800,6 +824,8 @@ fn kernels(
                         tensor(),
                         tensor(),
                         tensor(),
+                        tensor(),
+                        tensor(),
                         row_layout(),
                         row_layout(),
                         row_layout(),
@@ -809,6 +835,7 @@ fn kernels(
                         (),
                         (),
                         c,
+                        packed,
                         elem,
                     ))),
                 ));
@@ -830,12 +857,15 @@ fn kernels(
                 tensor(),
                 tensor(),
                 tensor(),
+                tensor(),
+                tensor(),
                 (),
                 (),
                 (),
                 (),
                 (),
                 c,
+                packed,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
@@ -855,11 +885,14 @@ fn kernels(
                 tensor(),
                 tensor(),
                 tensor(),
+                tensor(),
+                tensor(),
                 (),
                 (),
                 (),
                 (),
                 c,
+                packed,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
@@ -878,11 +911,14 @@ fn kernels(
                 tensor(),
                 tensor(),
                 tensor(),
+                tensor(),
+                tensor(),
                 (),
                 (),
                 (),
                 (),
                 c,
+                packed,
                 elem,
             )) as Box<dyn CubeKernel>
         }),

@@ -447,8 +447,8 @@ pub fn stage_rows<F: Float>(
 }
 
 /// Writes rows `[first, first + rows)` of head `head` of `t` from an f32 tile in shared
-/// memory (row `r` at `r · stride`), cast to the tensor's dtype; rows past the end of the
-/// sequence are skipped. The cube's `units` units cooperate.
+/// memory (row `r` at `r · stride`), cast to the tensor's dtype; rows from `end` (the end
+/// of the cube's sequence) on are skipped. The cube's `units` units cooperate.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn write_rows<F: Float>(
@@ -457,12 +457,13 @@ pub fn write_rows<F: Float>(
     batch: usize,
     head: usize,
     first: usize,
+    end: usize,
     #[comptime] rows: usize,
     #[comptime] dim: usize,
     #[comptime] stride: usize,
     #[comptime] units: usize,
 ) {
-    let seq = t.shape(2);
+    let seq = end;
     let base = batch * t.stride(0) + head * t.stride(1);
     let (row_stride, col_stride) = (t.stride(2), t.stride(3));
     for step in 0..(rows * dim).div_ceil(units) {

@@ -11,6 +11,7 @@ use cubecl::prelude::*;
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
+use crate::sequence::Sequence;
 use crate::tile::{
     add_scaled_and_dot_staged, add_scaled_staged, dot_staged, load_rows, load_vector, read_row,
     write_row, zero_row,
@@ -27,11 +28,14 @@ pub fn flash_backward_dkdv<F: Float>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
+    cu_seqlens_q: &Tensor<i32>,
+    cu_seqlens_kv: &Tensor<i32>,
     scale: f32,
     softcap: f32,
     window_left: i32,
     window_right: i32,
     #[comptime] config: TileConfig,
+    #[comptime] packed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_k = config.block_rows;
@@ -39,23 +43,48 @@ pub fn flash_backward_dkdv<F: Float>(
     let dim_qk = config.dim_qk;
     let dim_v = config.dim_v;
 
-    let seq_q = q.shape(2);
-    let seq_kv = k.shape(2);
     let len_qk = k.shape(3);
     let len_v = v.shape(3);
     let heads_kv = k.shape(1);
     let group = q.shape(1) / heads_kv;
-    let batch = CUBE_POS_Y as usize / heads_kv;
     let head_kv = CUBE_POS_Y as usize % heads_kv;
+    let sequence = Sequence::of(
+        CUBE_POS_Y as usize / heads_kv,
+        q.shape(2),
+        k.shape(2),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        packed,
+    );
+    let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
     let k_begin = CUBE_POS_X as usize * block_k;
+    if k_begin >= seq_kv {
+        terminate!();
+    }
     let k_end = min(k_begin + block_k, seq_kv);
     let key = k_begin + UNIT_POS as usize;
     let key_c = min(key, seq_kv - 1);
 
     let mut k_row = Array::<f32>::new(dim_qk);
-    read_row(k, batch, head_kv, key_c, &mut k_row, dim_qk, config.columns);
+    read_row(
+        k,
+        batch,
+        head_kv,
+        sequence.kv_first + key_c,
+        &mut k_row,
+        dim_qk,
+        config.columns,
+    );
     let mut v_row = Array::<f32>::new(dim_v);
-    read_row(v, batch, head_kv, key_c, &mut v_row, dim_v, config.columns);
+    read_row(
+        v,
+        batch,
+        head_kv,
+        sequence.kv_first + key_c,
+        &mut v_row,
+        dim_v,
+        config.columns,
+    );
     let mut dk_acc = Array::<f32>::new(dim_qk);
     zero_row(&mut dk_acc, len_qk, dim_qk, config.columns);
     let mut dv_acc = Array::<f32>::new(dim_v);
@@ -80,7 +109,7 @@ pub fn flash_backward_dkdv<F: Float>(
                 q,
                 batch,
                 head_q,
-                q0_u,
+                sequence.q_first + q0_u,
                 &mut q_tile,
                 block_q,
                 dim_qk,
@@ -90,7 +119,7 @@ pub fn flash_backward_dkdv<F: Float>(
                 d_out,
                 batch,
                 head_q,
-                q0_u,
+                sequence.q_first + q0_u,
                 &mut do_tile,
                 block_q,
                 dim_v,
@@ -100,7 +129,7 @@ pub fn flash_backward_dkdv<F: Float>(
                 lse,
                 batch,
                 head_q,
-                q0_u,
+                sequence.q_first + q0_u,
                 &mut lse_tile,
                 block_q,
                 config.block_rows,
@@ -109,7 +138,7 @@ pub fn flash_backward_dkdv<F: Float>(
                 delta,
                 batch,
                 head_q,
-                q0_u,
+                sequence.q_first + q0_u,
                 &mut delta_tile,
                 block_q,
                 config.block_rows,
@@ -156,6 +185,7 @@ pub fn flash_backward_dkdv<F: Float>(
     }
 
     if key < seq_kv {
+        let key = sequence.kv_first + key;
         write_row(
             dk,
             batch,

@@ -18,6 +18,7 @@ use crate::mma::{
     zero_accumulators,
 };
 use crate::score::{score, score_grad};
+use crate::sequence::Sequence;
 use crate::tile::{load_vector, stage_rows, write_rows};
 
 /// Row stride of the f32 tile that holds `Sᵀ`, then the final `dK` and `dV`.
@@ -52,11 +53,14 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
+    cu_seqlens_q: &Tensor<i32>,
+    cu_seqlens_kv: &Tensor<i32>,
     scale: f32,
     softcap: f32,
     window_left: i32,
     window_right: i32,
     #[comptime] config: MmaConfig,
+    #[comptime] packed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_k = comptime!(config.block_rows());
@@ -75,13 +79,23 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     let unit = PlaneRow::new(config);
     let (plane_row0, my_key, part) = (unit.plane_first, unit.row, unit.part);
 
-    let seq_q = q.shape(2);
-    let seq_kv = k.shape(2);
     let heads_kv = k.shape(1);
     let group = q.shape(1) / heads_kv;
-    let batch = CUBE_POS_Y as usize / heads_kv;
     let head_kv = CUBE_POS_Y as usize % heads_kv;
+    let sequence = Sequence::of(
+        CUBE_POS_Y as usize / heads_kv,
+        q.shape(2),
+        k.shape(2),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        packed,
+    );
+    let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
+    let (q_first, kv_first) = (sequence.q_first, sequence.kv_first);
     let k_begin = CUBE_POS_X as usize * block_k;
+    if k_begin >= seq_kv {
+        terminate!();
+    }
     let k_end = min(k_begin + block_k, seq_kv);
     let key_i = i32::cast_from(k_begin + my_key);
 
@@ -100,7 +114,7 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
         k,
         batch,
         head_kv,
-        k_begin,
+        kv_first + k_begin,
         &mut k_tile,
         block_k,
         config.dim_qk,
@@ -112,7 +126,7 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
         v,
         batch,
         head_kv,
-        k_begin,
+        kv_first + k_begin,
         &mut v_tile,
         block_k,
         config.dim_v,
@@ -136,7 +150,7 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
                 q,
                 batch,
                 head_q,
-                q0_u,
+                q_first + q0_u,
                 &mut q_tile,
                 block_q,
                 config.dim_qk,
@@ -148,7 +162,7 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
                 d_out,
                 batch,
                 head_q,
-                q0_u,
+                q_first + q0_u,
                 &mut do_tile,
                 block_q,
                 config.dim_v,
@@ -156,8 +170,17 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
                 v_ld,
                 units,
             );
-            load_vector(lse, batch, head_q, q0_u, &mut lse_tile, block_q, units);
-            load_vector(delta, batch, head_q, q0_u, &mut delta_tile, block_q, units);
+            let first_row = q_first + q0_u;
+            load_vector(lse, batch, head_q, first_row, &mut lse_tile, block_q, units);
+            load_vector(
+                delta,
+                batch,
+                head_q,
+                first_row,
+                &mut delta_tile,
+                block_q,
+                units,
+            );
             sync_cube();
 
             // 1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's 16 keys.
@@ -251,7 +274,8 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
         dk,
         batch,
         head_kv,
-        k_begin,
+        kv_first + k_begin,
+        kv_first + seq_kv,
         block_k,
         config.dim_qk,
         s_ld,
@@ -271,7 +295,8 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
         dv,
         batch,
         head_kv,
-        k_begin,
+        kv_first + k_begin,
+        kv_first + seq_kv,
         block_k,
         config.dim_v,
         s_ld,

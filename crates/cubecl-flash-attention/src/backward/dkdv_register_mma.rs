@@ -37,6 +37,7 @@ use crate::mma_sync::{
     store_pair, store_row, zeros,
 };
 use crate::problem::FloatDtype;
+use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{RowLayout, SharedLayout, stage_rows_async, stage_vectors_async};
 use crate::wgmma::{
@@ -66,6 +67,8 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     dq_sum: &mut Tensor<f32>,
+    cu_seqlens_q: &Tensor<i32>,
+    cu_seqlens_kv: &Tensor<i32>,
     q_rows: RowLayout,
     k_rows: RowLayout,
     v_rows: RowLayout,
@@ -79,6 +82,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     window_right: i32,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] gradients: KeyGradients,
+    #[comptime] packed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let with_dk = comptime!(gradients != KeyGradients::Values);
@@ -116,13 +120,23 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let group = lane / LANES_PER_ROW;
     let in_group = lane % LANES_PER_ROW;
 
-    let seq_q = q.shape(2);
-    let seq_kv = k.shape(2);
     let heads_kv = k.shape(1);
     let group_size = q.shape(1) / heads_kv;
-    let batch = CUBE_POS_Y as usize / heads_kv;
     let head_kv = CUBE_POS_Y as usize % heads_kv;
+    let sequence = Sequence::of(
+        CUBE_POS_Y as usize / heads_kv,
+        q.shape(2),
+        k.shape(2),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        packed,
+    );
+    let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
+    let (q_first, kv_first) = (sequence.q_first, sequence.kv_first);
     let k_begin = CUBE_POS_X as usize * block_k;
+    if k_begin >= seq_kv {
+        terminate!();
+    }
     let k_end = min(k_begin + block_k, seq_kv);
     let plane_row = PLANE_POS as usize * FRAGMENT;
 
@@ -154,7 +168,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             &k_rows,
             batch,
             head_kv,
-            k_begin,
+            kv_first + k_begin,
             &mut k_tile,
             0,
             block_k,
@@ -168,7 +182,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             &v_rows,
             batch,
             head_kv,
-            k_begin,
+            kv_first + k_begin,
             &mut v_tile,
             0,
             block_k,
@@ -184,7 +198,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             &q_rows,
             batch,
             head_q,
-            q0,
+            q_first + q0,
             &mut q_tile,
             0,
             block_q,
@@ -198,7 +212,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             &do_rows,
             batch,
             head_q,
-            q0,
+            q_first + q0,
             &mut do_tile,
             0,
             block_q,
@@ -214,7 +228,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             &delta_rows,
             batch,
             head_q,
-            q0,
+            q_first + q0,
             &mut stats_tile,
             0,
             block_q,
@@ -247,7 +261,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 &q_rows,
                 batch,
                 next_head,
-                next_q0,
+                q_first + next_q0,
                 &mut q_tile,
                 next * q_stage,
                 block_q,
@@ -261,7 +275,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 &do_rows,
                 batch,
                 next_head,
-                next_q0,
+                q_first + next_q0,
                 &mut do_tile,
                 next * do_stage,
                 block_q,
@@ -277,7 +291,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 &delta_rows,
                 batch,
                 next_head,
-                next_q0,
+                q_first + next_q0,
                 &mut stats_tile,
                 next * stats_stage,
                 block_q,
@@ -502,7 +516,8 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 &dq_rows,
                 batch,
                 head_q,
-                usize::cast_from(q0),
+                q_first + usize::cast_from(q0),
+                q_first + seq_q,
                 config,
             );
         }
@@ -518,7 +533,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     dk,
                     batch,
                     head_kv,
-                    key,
+                    kv_first + key,
                     &dk_acc,
                     0,
                     half,
@@ -532,7 +547,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     dv,
                     batch,
                     head_kv,
-                    key,
+                    kv_first + key,
                     &dv_acc,
                     0,
                     half,

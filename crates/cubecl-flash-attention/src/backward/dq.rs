@@ -9,6 +9,7 @@ use cubecl::prelude::*;
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
+use crate::sequence::Sequence;
 use crate::tile::{
     Head, add_scaled_staged, dot_staged, load_key_value_block, read_row, write_row, zero_row,
 };
@@ -23,11 +24,14 @@ pub fn flash_backward_dq<F: Float>(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
+    cu_seqlens_q: &Tensor<i32>,
+    cu_seqlens_kv: &Tensor<i32>,
     scale: f32,
     softcap: f32,
     window_left: i32,
     window_right: i32,
     #[comptime] config: TileConfig,
+    #[comptime] packed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = config.block_rows;
@@ -35,20 +39,31 @@ pub fn flash_backward_dq<F: Float>(
     let dim_qk = config.dim_qk;
     let dim_v = config.dim_v;
 
-    let seq_q = q.shape(2);
-    let seq_kv = k.shape(2);
     let len_qk = q.shape(3);
     let len_v = v.shape(3);
     let head = Head::from_cube(q.shape(1), k.shape(1));
+    let sequence = Sequence::of(
+        head.batch,
+        q.shape(2),
+        k.shape(2),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        packed,
+    );
+    let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
     let q_begin = CUBE_POS_X as usize * block_q;
+    if q_begin >= seq_q {
+        terminate!();
+    }
     let q_end = min(q_begin + block_q, seq_q);
     let row = q_begin + UNIT_POS as usize;
-    let row_c = min(row, seq_q - 1);
+    // The row read: this unit's (the last one's past the end) in the tensors.
+    let row_c = sequence.q_first + min(row, seq_q - 1);
 
     let mut q_row = Array::<f32>::new(dim_qk);
     read_row(
         q,
-        head.batch,
+        batch,
         head.head_q,
         row_c,
         &mut q_row,
@@ -58,17 +73,16 @@ pub fn flash_backward_dq<F: Float>(
     let mut do_row = Array::<f32>::new(dim_v);
     read_row(
         d_out,
-        head.batch,
+        batch,
         head.head_q,
         row_c,
         &mut do_row,
         dim_v,
         config.columns,
     );
-    let row_lse =
-        lse[head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row_c * lse.stride(2)];
-    let row_delta = delta
-        [head.batch * delta.stride(0) + head.head_q * delta.stride(1) + row_c * delta.stride(2)];
+    let row_lse = lse[batch * lse.stride(0) + head.head_q * lse.stride(1) + row_c * lse.stride(2)];
+    let row_delta =
+        delta[batch * delta.stride(0) + head.head_q * delta.stride(1) + row_c * delta.stride(2)];
     let mut dq_acc = Array::<f32>::new(dim_qk);
     zero_row(&mut dq_acc, len_qk, dim_qk, config.columns);
 
@@ -85,9 +99,9 @@ pub fn flash_backward_dq<F: Float>(
         load_key_value_block(
             k,
             v,
-            head.batch,
+            batch,
             head.head_kv,
-            usize::cast_from(k0),
+            sequence.kv_first + usize::cast_from(k0),
             &mut k_tile,
             &mut v_tile,
             block_k,
@@ -126,9 +140,9 @@ pub fn flash_backward_dq<F: Float>(
     if row < seq_q {
         write_row(
             dq,
-            head.batch,
+            batch,
             head.head_q,
-            row,
+            sequence.q_first + row,
             &dq_acc,
             1.0,
             dim_qk,

@@ -16,8 +16,9 @@ use crate::tile::RowLayout;
 /// Columns of one accumulator tile.
 const TILE_COLS: usize = 8;
 
-/// Adds the plane's share ([`crate::config::DqSplit`]) of `dS·K` for the query block at `q0`
-/// of head `head` to `dq_sum` (laid out as `dq_rows`). `ds_tile` holds the block's `dSᵀ`
+/// Adds the plane's share ([`crate::config::DqSplit`]) of `dS·K` for the query block at row
+/// `q0` of head `head` to `dq_sum` (laid out as `dq_rows`; rows from `end`, the end of the
+/// cube's sequence, are left alone). `ds_tile` holds the block's `dSᵀ`
 /// (the cube's keys × the block's queries, stride `stride(block_stream)`, written by every
 /// plane and synchronized), `k_tile` the cube's K rows.
 #[cube]
@@ -30,6 +31,7 @@ pub fn add_dq_share<F: Float>(
     batch: usize,
     head: usize,
     q0: usize,
+    end: usize,
     #[comptime] config: RegisterBackwardConfig,
 ) {
     let split = comptime!(
@@ -72,11 +74,10 @@ pub fn add_dq_share<F: Float>(
 
     // Each lane adds its pairs of rows g and g + 8 (head dims are multiples of 8 on this
     // path: a pair is inside the row or wholly in the padding).
-    let seq_q = dq_rows.rows();
     #[unroll]
     for half in 0..2usize {
         let row = q0 + row0 + lane / 4 + 8 * half;
-        if row < seq_q {
+        if row < end {
             let base = dq_rows.offset(batch, head, row);
             #[unroll]
             for n in 0..tiles {

@@ -13,6 +13,7 @@ use crate::mma::{
     zero_accumulators,
 };
 use crate::score::{score, score_grad};
+use crate::sequence::Sequence;
 use crate::tile::{Head, row_offset, stage_rows, write_rows};
 
 /// Row stride of the f32 tile that holds `S`, then the final `dQ`.
@@ -40,11 +41,14 @@ pub fn flash_backward_dq_cmma<F: Float>(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
+    cu_seqlens_q: &Tensor<i32>,
+    cu_seqlens_kv: &Tensor<i32>,
     scale: f32,
     softcap: f32,
     window_left: i32,
     window_right: i32,
     #[comptime] config: MmaConfig,
+    #[comptime] packed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
@@ -63,15 +67,26 @@ pub fn flash_backward_dq_cmma<F: Float>(
     let unit = PlaneRow::new(config);
     let (plane_row0, my_row, part) = (unit.plane_first, unit.row, unit.part);
 
-    let seq_q = q.shape(2);
-    let seq_kv = k.shape(2);
     let head = Head::from_cube(q.shape(1), k.shape(1));
+    let sequence = Sequence::of(
+        head.batch,
+        q.shape(2),
+        k.shape(2),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        packed,
+    );
+    let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
+    let (q_first, kv_first) = (sequence.q_first, sequence.kv_first);
     let q_begin = CUBE_POS_X as usize * block_q;
+    if q_begin >= seq_q {
+        terminate!();
+    }
     let q_end = min(q_begin + block_q, seq_q);
     let row = q_begin + my_row;
-    let row_c = min(row, seq_q - 1);
-    let row_lse = lse[row_offset(lse, head.batch, head.head_q, row_c)];
-    let row_delta = delta[row_offset(delta, head.batch, head.head_q, row_c)];
+    let row_c = q_first + min(row, seq_q - 1);
+    let row_lse = lse[row_offset(lse, batch, head.head_q, row_c)];
+    let row_delta = delta[row_offset(delta, batch, head.head_q, row_c)];
 
     let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, SHARED_ALIGN);
     let mut do_tile = Shared::<[F]>::new_aligned_slice(block_q * v_ld, SHARED_ALIGN);
@@ -83,9 +98,9 @@ pub fn flash_backward_dq_cmma<F: Float>(
 
     stage_rows(
         q,
-        head.batch,
+        batch,
         head.head_q,
-        q_begin,
+        q_first + q_begin,
         &mut q_tile,
         block_q,
         config.dim_qk,
@@ -95,9 +110,9 @@ pub fn flash_backward_dq_cmma<F: Float>(
     );
     stage_rows(
         d_out,
-        head.batch,
+        batch,
         head.head_q,
-        q_begin,
+        q_first + q_begin,
         &mut do_tile,
         block_q,
         config.dim_v,
@@ -117,9 +132,9 @@ pub fn flash_backward_dq_cmma<F: Float>(
         sync_cube();
         stage_rows(
             k,
-            head.batch,
+            batch,
             head.head_kv,
-            k0_u,
+            kv_first + k0_u,
             &mut k_tile,
             block_k,
             config.dim_qk,
@@ -129,9 +144,9 @@ pub fn flash_backward_dq_cmma<F: Float>(
         );
         stage_rows(
             v,
-            head.batch,
+            batch,
             head.head_kv,
-            k0_u,
+            kv_first + k0_u,
             &mut v_tile,
             block_k,
             config.dim_v,
@@ -216,9 +231,10 @@ pub fn flash_backward_dq_cmma<F: Float>(
     write_rows(
         &s_tile,
         dq,
-        head.batch,
+        batch,
         head.head_q,
-        q_begin,
+        q_first + q_begin,
+        q_first + seq_q,
         block_q,
         config.dim_qk,
         s_ld,

@@ -26,6 +26,7 @@ use crate::mma_sync::{
     store_row, zeros,
 };
 use crate::problem::FloatDtype;
+use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
 use crate::wgmma::{
@@ -50,6 +51,8 @@ pub fn flash_backward_dq_mma<F: Float>(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
+    cu_seqlens_q: &Tensor<i32>,
+    cu_seqlens_kv: &Tensor<i32>,
     q_rows: RowLayout,
     k_rows: RowLayout,
     v_rows: RowLayout,
@@ -59,6 +62,7 @@ pub fn flash_backward_dq_mma<F: Float>(
     window_left: i32,
     window_right: i32,
     #[comptime] config: RegisterBackwardConfig,
+    #[comptime] packed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
@@ -85,12 +89,23 @@ pub fn flash_backward_dq_mma<F: Float>(
     let group = lane / LANES_PER_ROW;
     let in_group = lane % LANES_PER_ROW;
 
-    let seq_q = q.shape(2);
-    let seq_kv = k.shape(2);
     // Neighbouring cubes share a head (its K and V in L2), heaviest causal blocks first.
     let head = Head::from_cube(q.shape(1), k.shape(1));
+    let sequence = Sequence::of(
+        head.batch,
+        q.shape(2),
+        k.shape(2),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        packed,
+    );
+    let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
+    let (q_first, kv_first) = (sequence.q_first, sequence.kv_first);
     let q_block = last_first(CUBE_POS_X as usize, CUBE_COUNT_X as usize);
     let q_begin = q_block * block_q;
+    if q_begin >= seq_q {
+        terminate!();
+    }
     let q_end = min(q_begin + block_q, seq_q);
     let plane_row = PLANE_POS as usize * FRAGMENT;
 
@@ -113,9 +128,9 @@ pub fn flash_backward_dq_mma<F: Float>(
     let mut delta_row = Array::<f32>::new(2usize);
     #[unroll]
     for half in 0..2usize {
-        let row = min(q_begin + plane_row + group + 8 * half, seq_q - 1);
-        lse_row[half] = lse[row_offset(lse, head.batch, head.head_q, row)] * LOG2_E;
-        delta_row[half] = delta[row_offset(delta, head.batch, head.head_q, row)];
+        let row = q_first + min(q_begin + plane_row + group + 8 * half, seq_q - 1);
+        lse_row[half] = lse[row_offset(lse, batch, head.head_q, row)] * LOG2_E;
+        delta_row[half] = delta[row_offset(delta, batch, head.head_q, row)];
     }
 
     if blocks.count > 0 {
@@ -123,9 +138,9 @@ pub fn flash_backward_dq_mma<F: Float>(
         stage_rows_async(
             q,
             &q_rows,
-            head.batch,
+            batch,
             head.head_q,
-            q_begin,
+            q_first + q_begin,
             &mut q_tile,
             0,
             block_q,
@@ -137,9 +152,9 @@ pub fn flash_backward_dq_mma<F: Float>(
         stage_rows_async(
             d_out,
             &do_rows,
-            head.batch,
+            batch,
             head.head_q,
-            q_begin,
+            q_first + q_begin,
             &mut do_tile,
             0,
             block_q,
@@ -151,9 +166,9 @@ pub fn flash_backward_dq_mma<F: Float>(
         stage_rows_async(
             k,
             &k_rows,
-            head.batch,
+            batch,
             head.head_kv,
-            k0,
+            kv_first + k0,
             &mut k_tile,
             0,
             block_k,
@@ -165,9 +180,9 @@ pub fn flash_backward_dq_mma<F: Float>(
         stage_rows_async(
             v,
             &v_rows,
-            head.batch,
+            batch,
             head.head_kv,
-            k0,
+            kv_first + k0,
             &mut v_tile,
             0,
             block_k,
@@ -200,9 +215,9 @@ pub fn flash_backward_dq_mma<F: Float>(
             stage_rows_async(
                 k,
                 &k_rows,
-                head.batch,
+                batch,
                 head.head_kv,
-                next_k0,
+                kv_first + next_k0,
                 &mut k_tile,
                 next * k_stage,
                 block_k,
@@ -214,9 +229,9 @@ pub fn flash_backward_dq_mma<F: Float>(
             stage_rows_async(
                 v,
                 &v_rows,
-                head.batch,
+                batch,
                 head.head_kv,
-                next_k0,
+                kv_first + next_k0,
                 &mut v_tile,
                 next * v_stage,
                 block_k,
@@ -385,9 +400,9 @@ pub fn flash_backward_dq_mma<F: Float>(
         if row < seq_q {
             store_row(
                 dq,
-                head.batch,
+                batch,
                 head.head_q,
-                row,
+                q_first + row,
                 &dq_acc,
                 0,
                 half,

@@ -35,12 +35,14 @@ use crate::config::{
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_backward_tiles,
 };
 use crate::error::FlashError;
+use crate::forward::packed_problem;
 use crate::launch::{
     DeviceTensor, check_dtype, expect_shape, grid, readable_by_16_byte_copies, softcap_arg,
     window_args,
 };
 use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
+use crate::sequence::{PackedSequences, batch_view, cu_seqlens};
 
 pub use dkdv::flash_backward_dkdv;
 pub use dkdv_cmma::{flash_backward_dkdv_cmma, shared_bytes as dkdv_cmma_shared_bytes};
@@ -88,7 +90,11 @@ pub fn backward(
     )?;
     if problem.is_empty() || problem.seq_kv == 0 {
         // Nothing attends: every gradient is zero.
-        return zero_gradients(client, &problem, dtype);
+        return zero_gradients(
+            client,
+            [&saved.q.shape, &saved.k.shape, &saved.v.shape],
+            dtype,
+        );
     }
     let grads = Gradients {
         dq: DeviceTensor::empty(client, &saved.q.shape, dtype.size()),
@@ -118,7 +124,6 @@ pub fn backward_into(
     expect_shape("dq", &grads.dq, &q.shape)?;
     expect_shape("dk", &grads.dk, &k.shape)?;
     expect_shape("dv", &grads.dv, &v.shape)?;
-    check_dtype(client, dtype)?;
     if problem.is_empty() || problem.seq_kv == 0 {
         return Err(FlashError::Shape {
             arg: "key",
@@ -126,15 +131,125 @@ pub fn backward_into(
             expected: "backward_into needs non-empty query and key sequences".into(),
         });
     }
+    launch(client, saved, d_out, grads, &problem, None, path)
+}
 
+/// The backward pass of a packed batch ([`crate::forward::forward_packed`]): `saved` holds
+/// the packed `q`, `k`, `v`, the forward's `out` `[total_q, h_q, d_v]` and `lse`
+/// `[h_q, total_q]`; `d_out` has the shape of `out`. Returns the gradients, contiguous,
+/// in the shapes of `q`, `k`, `v`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_packed(
+    client: &Client,
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    sequences_q: &PackedSequences,
+    sequences_kv: &PackedSequences,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<Gradients, FlashError> {
+    let problem = packed_problem(
+        [saved.q, saved.k, saved.v],
+        sequences_q,
+        sequences_kv,
+        dtype,
+        options,
+    )?;
+    let shapes = [&saved.q.shape[..], &saved.k.shape[..], &saved.v.shape[..]];
+    if problem.is_empty() || problem.seq_kv == 0 {
+        // No sequence has a query, or none a key: every gradient is zero.
+        return zero_gradients(client, shapes, dtype);
+    }
+    let empty = |shape: &[usize]| DeviceTensor::empty(client, shape, dtype.size());
+    let grads = Gradients {
+        dq: empty(shapes[0]),
+        dk: empty(shapes[1]),
+        dv: empty(shapes[2]),
+    };
+    let sequences = [sequences_q, sequences_kv];
+    backward_packed_into(
+        client, saved, d_out, &grads, sequences, dtype, options, path,
+    )?;
+    Ok(grads)
+}
+
+/// [`backward_packed`] into caller-provided gradients (shapes of Q, K, V; any strides).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_packed_into(
+    client: &Client,
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    grads: &Gradients,
+    [sequences_q, sequences_kv]: [&PackedSequences; 2],
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<(), FlashError> {
+    let Saved { q, k, v, out, lse } = saved;
+    let problem = packed_problem([q, k, v], sequences_q, sequences_kv, dtype, options)?;
+    let out_shape = [q.shape[0], problem.heads_q, problem.dim_v];
+    expect_shape("out", out, &out_shape)?;
+    expect_shape("d_out", d_out, &out_shape)?;
+    expect_shape("lse", lse, &[problem.heads_q, q.shape[0]])?;
+    expect_shape("dq", &grads.dq, &q.shape)?;
+    expect_shape("dk", &grads.dk, &k.shape)?;
+    expect_shape("dv", &grads.dv, &v.shape)?;
+    if problem.is_empty() || problem.seq_kv == 0 {
+        return Err(FlashError::Shape {
+            arg: "key",
+            shape: k.shape.clone(),
+            expected: "backward_packed_into needs a query and a key in some sequence".into(),
+        });
+    }
+    let view = |t: &DeviceTensor| batch_view(t);
+    let views = Gradients {
+        dq: view(&grads.dq),
+        dk: view(&grads.dk),
+        dv: view(&grads.dv),
+    };
+    let saved = Saved {
+        q: &view(q),
+        k: &view(k),
+        v: &view(v),
+        out: &view(out),
+        lse: &view(lse),
+    };
+    launch(
+        client,
+        saved,
+        &view(d_out),
+        &views,
+        &problem,
+        Some((sequences_q, sequences_kv)),
+        path,
+    )
+}
+
+/// Launches the backward kernels for `problem`, into `grads`; a packed batch's tensors are
+/// the kernels' `[1, heads, total, dim]` views.
+fn launch(
+    client: &Client,
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    grads: &Gradients,
+    problem: &AttentionProblem,
+    packed: Option<(&PackedSequences, &PackedSequences)>,
+    path: KernelPath,
+) -> Result<(), FlashError> {
+    let Saved { q, k, v, out, lse } = saved;
+    let (problem, dtype) = (*problem, problem.dtype);
+    check_dtype(client, dtype)?;
+    let (cu_q, cu_kv) = cu_seqlens(packed, lse);
+    let is_packed = packed.is_some();
     let limits = DeviceLimits::from_properties(client.properties());
     let plan = plan(path, &problem, &limits, [q, k, v, d_out])?;
     let (left, right) = window_args(&problem);
     let (scale, softcap) = (problem.scale(), softcap_arg(&problem));
     let elem = dtype.elem_type();
 
-    let delta = DeviceTensor::empty(client, &problem.lse_shape(), 4);
-    let rows = problem.batch * problem.heads_q * problem.seq_q;
+    let delta = DeviceTensor::empty(client, &lse.shape, 4);
+    let rows: usize = lse.shape.iter().product();
     let cube = 256u32.min(limits.max_units_per_cube as u32);
     let delta_rows = cube as usize / DELTA_LANES;
     unsafe {
@@ -179,6 +294,8 @@ pub fn backward_into(
                         grads.dk.arg(),
                         grads.dv.arg(),
                         dq_sum.arg(),
+                        cu_q.arg(),
+                        cu_kv.arg(),
                         q.row_layout("query")?,
                         k.row_layout("key")?,
                         v.row_layout("value")?,
@@ -192,6 +309,7 @@ pub fn backward_into(
                         right,
                         warpgroup_only_for(config, "dkdv"),
                         gradients,
+                        is_packed,
                         elem,
                     );
                 }
@@ -228,6 +346,8 @@ pub fn backward_into(
                     lse.arg(),
                     delta.arg(),
                     grads.dq.arg(),
+                    cu_q.arg(),
+                    cu_kv.arg(),
                     q.row_layout("query")?,
                     k.row_layout("key")?,
                     v.row_layout("value")?,
@@ -237,6 +357,7 @@ pub fn backward_into(
                     left,
                     right,
                     warpgroup_only_for(config, "dq"),
+                    is_packed,
                     elem,
                 );
             }
@@ -261,11 +382,14 @@ pub fn backward_into(
                     delta.arg(),
                     grads.dk.arg(),
                     grads.dv.arg(),
+                    cu_q.arg(),
+                    cu_kv.arg(),
                     scale,
                     softcap,
                     left,
                     right,
                     config,
+                    is_packed,
                     elem,
                 );
             }
@@ -287,11 +411,14 @@ pub fn backward_into(
                     lse.arg(),
                     delta.arg(),
                     grads.dq.arg(),
+                    cu_q.arg(),
+                    cu_kv.arg(),
                     scale,
                     softcap,
                     left,
                     right,
                     config,
+                    is_packed,
                     elem,
                 );
             }
@@ -311,11 +438,14 @@ pub fn backward_into(
                     delta.arg(),
                     grads.dk.arg(),
                     grads.dv.arg(),
+                    cu_q.arg(),
+                    cu_kv.arg(),
                     scale,
                     softcap,
                     left,
                     right,
                     dkdv,
+                    is_packed,
                     elem,
                 );
             }
@@ -333,11 +463,14 @@ pub fn backward_into(
                     lse.arg(),
                     delta.arg(),
                     grads.dq.arg(),
+                    cu_q.arg(),
+                    cu_kv.arg(),
                     scale,
                     softcap,
                     left,
                     right,
                     dq,
+                    is_packed,
                     elem,
                 );
             }
@@ -513,20 +646,19 @@ pub(crate) fn dq_mma_config(
     choose_mma_tiles(problem, limits, dq_cmma::shared_bytes)
 }
 
-/// Gradients of a problem with no query or no key: all zero.
+/// Gradients of a problem with no query or no key: all zero, in the shapes of Q, K, V.
 fn zero_gradients(
     client: &Client,
-    problem: &AttentionProblem,
+    [q, k, v]: [&[usize]; 3],
     dtype: FloatDtype,
 ) -> Result<Gradients, FlashError> {
-    let zeros = |shape: [usize; 4]| {
+    let zeros = |shape: &[usize]| {
         let bytes = vec![0u8; shape.iter().product::<usize>() * dtype.size()];
-        DeviceTensor::from_bytes(client, &shape, &bytes)
+        DeviceTensor::from_bytes(client, shape, &bytes)
     };
-    let p = problem;
     Ok(Gradients {
-        dq: zeros([p.batch, p.heads_q, p.seq_q, p.dim_qk]),
-        dk: zeros([p.batch, p.heads_kv, p.seq_kv, p.dim_qk]),
-        dv: zeros([p.batch, p.heads_kv, p.seq_kv, p.dim_v]),
+        dq: zeros(q),
+        dk: zeros(k),
+        dv: zeros(v),
     })
 }

@@ -19,6 +19,7 @@ use crate::config::{FRAGMENT, MmaConfig};
 use crate::mask::Mask;
 use crate::mma::{Operand, PlaneRow, SHARED_ALIGN, product_to_shared};
 use crate::score::score;
+use crate::sequence::Sequence;
 use crate::softmax::{MASKED, RunningState, probability, row_reduce_max, row_reduce_sum};
 use crate::tile::{Head, stage_rows};
 
@@ -40,12 +41,15 @@ pub fn flash_forward_cmma<F: Float>(
     v: &Tensor<F>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
+    cu_seqlens_q: &Tensor<i32>,
+    cu_seqlens_kv: &Tensor<i32>,
     scale: f32,
     softcap: f32,
     window_left: i32,
     window_right: i32,
     neg_inf: f32,
     #[comptime] config: MmaConfig,
+    #[comptime] packed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
@@ -67,10 +71,20 @@ pub fn flash_forward_cmma<F: Float>(
     let unit = PlaneRow::new(config);
     let (plane_row0, my_row, part) = (unit.plane_first, unit.row, unit.part);
 
-    let seq_q = q.shape(2);
-    let seq_kv = k.shape(2);
     let head = Head::from_cube(q.shape(1), k.shape(1));
+    let sequence = Sequence::of(
+        head.batch,
+        q.shape(2),
+        k.shape(2),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        packed,
+    );
+    let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
     let q_begin = CUBE_POS_X as usize * block_q;
+    if q_begin >= seq_q {
+        terminate!();
+    }
     let q_end = min(q_begin + block_q, seq_q);
     let row = q_begin + my_row;
 
@@ -83,9 +97,9 @@ pub fn flash_forward_cmma<F: Float>(
 
     stage_rows(
         q,
-        head.batch,
+        batch,
         head.head_q,
-        q_begin,
+        sequence.q_first + q_begin,
         &mut q_tile,
         block_q,
         config.dim_qk,
@@ -112,9 +126,9 @@ pub fn flash_forward_cmma<F: Float>(
         sync_cube();
         stage_rows(
             k,
-            head.batch,
+            batch,
             head.head_kv,
-            k0_u,
+            sequence.kv_first + k0_u,
             &mut k_tile,
             block_k,
             config.dim_qk,
@@ -124,9 +138,9 @@ pub fn flash_forward_cmma<F: Float>(
         );
         stage_rows(
             v,
-            head.batch,
+            batch,
             head.head_kv,
-            k0_u,
+            sequence.kv_first + k0_u,
             &mut v_tile,
             block_k,
             config.dim_v,
@@ -211,7 +225,8 @@ pub fn flash_forward_cmma<F: Float>(
     // Epilogue: normalize, write O in the input dtype and the LSE in f32.
     if row < seq_q {
         let inv = state.normalizer();
-        let base = head.batch * out.stride(0) + head.head_q * out.stride(1) + row * out.stride(2);
+        let row = sequence.q_first + row;
+        let base = batch * out.stride(0) + head.head_q * out.stride(1) + row * out.stride(2);
         let col_stride = out.stride(3);
         #[unroll]
         for c in 0..o_cols {
@@ -222,7 +237,7 @@ pub fn flash_forward_cmma<F: Float>(
         }
         if part == 0 {
             let lse_index =
-                head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row * lse.stride(2);
+                batch * lse.stride(0) + head.head_q * lse.stride(1) + row * lse.stride(2);
             lse[lse_index] = state.lse(neg_inf);
         }
     }

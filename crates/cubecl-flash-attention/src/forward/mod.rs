@@ -17,6 +17,7 @@ use crate::launch::{
 };
 use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
+use crate::sequence::{PackedSequences, batch_view, cu_seqlens};
 
 pub use cmma::{flash_forward_cmma, shared_bytes as cmma_shared_bytes};
 pub use portable::flash_forward;
@@ -66,10 +67,136 @@ pub fn forward_into(
     let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
     expect_shape("out", out, &problem.out_shape())?;
     expect_shape("lse", lse, &problem.lse_shape())?;
+    launch(client, [q, k, v], out, lse, &problem, None, path)
+}
+
+/// The forward pass of a packed batch of variable-length sequences (no padding): `q`
+/// `[total_q, h_q, d_qk]`, `k` `[total_kv, h_kv, d_qk]`, `v` `[total_kv, h_kv, d_v]`, of any
+/// strides, sequence `i` at tokens `cu_seqlens[i]..cu_seqlens[i + 1]` of `sequences_q`
+/// (`sequences_kv`). Returns `out` `[total_q, h_q, d_v]` and the LSE `[h_q, total_q]` (as
+/// FlashAttention's varlen forward). Masks are bottom-right aligned within each sequence.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_packed(
+    client: &Client,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    sequences_q: &PackedSequences,
+    sequences_kv: &PackedSequences,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<ForwardOutput, FlashError> {
+    let problem = packed_problem([q, k, v], sequences_q, sequences_kv, dtype, options)?;
+    let total_q = sequences_q.total();
+    let out = DeviceTensor::empty(
+        client,
+        &[total_q, problem.heads_q, problem.dim_v],
+        dtype.size(),
+    );
+    let lse = DeviceTensor::empty(client, &[problem.heads_q, total_q], 4);
+    let sequences = [sequences_q, sequences_kv];
+    forward_packed_into(
+        client,
+        [q, k, v],
+        &out,
+        &lse,
+        sequences,
+        dtype,
+        options,
+        path,
+    )?;
+    Ok(ForwardOutput { out, lse, problem })
+}
+
+/// [`forward_packed`] into caller-provided outputs: `out` `[total_q, h_q, d_v]` and `lse`
+/// `[h_q, total_q]` (f32), of any strides.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_packed_into(
+    client: &Client,
+    [q, k, v]: [&DeviceTensor; 3],
+    out: &DeviceTensor,
+    lse: &DeviceTensor,
+    [sequences_q, sequences_kv]: [&PackedSequences; 2],
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<(), FlashError> {
+    let problem = packed_problem([q, k, v], sequences_q, sequences_kv, dtype, options)?;
+    let total_q = sequences_q.total();
+    expect_shape("out", out, &[total_q, problem.heads_q, problem.dim_v])?;
+    expect_shape("lse", lse, &[problem.heads_q, total_q])?;
+    launch(
+        client,
+        [&batch_view(q), &batch_view(k), &batch_view(v)],
+        &batch_view(out),
+        &batch_view(lse),
+        &problem,
+        Some((sequences_q, sequences_kv)),
+        path,
+    )
+}
+
+/// The problem of a packed batch, its tensors checked: batch = the sequences, sequence
+/// lengths = the longest ones.
+pub(crate) fn packed_problem(
+    [q, k, v]: [&DeviceTensor; 3],
+    sequences_q: &PackedSequences,
+    sequences_kv: &PackedSequences,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+) -> Result<AttentionProblem, FlashError> {
+    for (arg, t) in [("query", q), ("key", k), ("value", v)] {
+        if t.shape.len() != 3 {
+            return Err(FlashError::Shape {
+                arg,
+                shape: t.shape.clone(),
+                expected: "rank 3, [total tokens, heads, head dim], in a packed batch".into(),
+            });
+        }
+    }
+    sequences_q.check_total("query", &q.shape, "cu_seqlens_q")?;
+    sequences_kv.check_total("key", &k.shape, "cu_seqlens_k")?;
+    sequences_kv.check_total("value", &v.shape, "cu_seqlens_k")?;
+    if sequences_q.count() != sequences_kv.count() {
+        return Err(FlashError::Option {
+            arg: "cu_seqlens_k",
+            expected: format!(
+                "as many sequences as `cu_seqlens_q` ({}), got {}",
+                sequences_q.count(),
+                sequences_kv.count()
+            ),
+        });
+    }
+    let batch = sequences_q.count();
+    let as_batch = |t: &DeviceTensor, seq: usize| [batch, t.shape[1], seq, t.shape[2]];
+    AttentionProblem::new(
+        &as_batch(q, sequences_q.longest()),
+        &as_batch(k, sequences_kv.longest()),
+        &as_batch(v, sequences_kv.longest()),
+        dtype,
+        options,
+    )
+}
+
+/// Launches the forward kernel `plan` picks for `problem`, into `out` and `lse`; a packed
+/// batch's tensors are the kernels' `[1, heads, total, dim]` views.
+fn launch(
+    client: &Client,
+    [q, k, v]: [&DeviceTensor; 3],
+    out: &DeviceTensor,
+    lse: &DeviceTensor,
+    problem: &AttentionProblem,
+    packed: Option<(&PackedSequences, &PackedSequences)>,
+    path: KernelPath,
+) -> Result<(), FlashError> {
+    let (problem, dtype) = (*problem, problem.dtype);
     check_dtype(client, dtype)?;
     if problem.is_empty() {
         return Ok(());
     }
+    let (cu_q, cu_kv) = cu_seqlens(packed, lse);
+    let is_packed = packed.is_some();
     let limits = DeviceLimits::from_properties(client.properties());
     let (left, right) = window_args(&problem);
     match plan(path, &problem, &limits, [q, k, v])? {
@@ -94,6 +221,8 @@ pub fn forward_into(
                     v.arg(),
                     out.arg(),
                     lse.arg(),
+                    cu_q.arg(),
+                    cu_kv.arg(),
                     q_rows,
                     k_rows,
                     v_rows,
@@ -103,6 +232,7 @@ pub fn forward_into(
                     right,
                     f32::NEG_INFINITY,
                     config,
+                    is_packed,
                     dtype.elem_type(),
                 );
             }
@@ -124,12 +254,15 @@ pub fn forward_into(
                     v.arg(),
                     out.arg(),
                     lse.arg(),
+                    cu_q.arg(),
+                    cu_kv.arg(),
                     problem.scale(),
                     softcap_arg(&problem),
                     left,
                     right,
                     f32::NEG_INFINITY,
                     config,
+                    is_packed,
                     dtype.elem_type(),
                 );
             }
@@ -147,12 +280,15 @@ pub fn forward_into(
                     v.arg(),
                     out.arg(),
                     lse.arg(),
+                    cu_q.arg(),
+                    cu_kv.arg(),
                     problem.scale(),
                     softcap_arg(&problem),
                     left,
                     right,
                     f32::NEG_INFINITY,
                     config,
+                    is_packed,
                     dtype.elem_type(),
                 );
             }

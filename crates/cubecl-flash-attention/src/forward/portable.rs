@@ -11,6 +11,7 @@ use cubecl::prelude::*;
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::score;
+use crate::sequence::Sequence;
 use crate::softmax::{MASKED, RunningState, probability};
 use crate::tile::{
     Head, add_scaled_staged, dot_staged, load_key_value_block, read_row, scale_row, write_row,
@@ -25,12 +26,15 @@ pub fn flash_forward<F: Float>(
     v: &Tensor<F>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
+    cu_seqlens_q: &Tensor<i32>,
+    cu_seqlens_kv: &Tensor<i32>,
     scale: f32,
     softcap: f32,
     window_left: i32,
     window_right: i32,
     neg_inf: f32,
     #[comptime] config: TileConfig,
+    #[comptime] packed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = config.block_rows;
@@ -38,12 +42,22 @@ pub fn flash_forward<F: Float>(
     let dim_qk = config.dim_qk;
     let dim_v = config.dim_v;
 
-    let seq_q = q.shape(2);
-    let seq_kv = k.shape(2);
     let len_qk = q.shape(3);
     let len_v = v.shape(3);
     let head = Head::from_cube(q.shape(1), k.shape(1));
+    let sequence = Sequence::of(
+        head.batch,
+        q.shape(2),
+        k.shape(2),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        packed,
+    );
+    let (seq_q, seq_kv) = (sequence.seq_q, sequence.seq_kv);
     let q_begin = CUBE_POS_X as usize * block_q;
+    if q_begin >= seq_q {
+        terminate!();
+    }
     let q_end = min(q_begin + block_q, seq_q);
     let row = q_begin + UNIT_POS as usize;
     let row_valid = row < seq_q;
@@ -51,9 +65,9 @@ pub fn flash_forward<F: Float>(
     let mut q_row = Array::<f32>::new(dim_qk);
     read_row(
         q,
-        head.batch,
+        sequence.batch,
         head.head_q,
-        min(row, seq_q - 1),
+        sequence.q_first + min(row, seq_q - 1),
         &mut q_row,
         dim_qk,
         config.columns,
@@ -78,9 +92,9 @@ pub fn flash_forward<F: Float>(
         load_key_value_block(
             k,
             v,
-            head.batch,
+            sequence.batch,
             head.head_kv,
-            k0_u,
+            sequence.kv_first + k0_u,
             &mut k_tile,
             &mut v_tile,
             block_k,
@@ -131,9 +145,10 @@ pub fn flash_forward<F: Float>(
     // Epilogue: normalize, write O in the input dtype and the LSE in f32.
     if row_valid {
         let inv = state.normalizer();
+        let row = sequence.q_first + row;
         write_row(
             out,
-            head.batch,
+            sequence.batch,
             head.head_q,
             row,
             &acc,
@@ -142,7 +157,7 @@ pub fn flash_forward<F: Float>(
             config.columns,
         );
         let lse_index =
-            head.batch * lse.stride(0) + head.head_q * lse.stride(1) + row * lse.stride(2);
+            sequence.batch * lse.stride(0) + head.head_q * lse.stride(1) + row * lse.stride(2);
         lse[lse_index] = state.lse(neg_inf);
     }
 }

@@ -33,6 +33,7 @@ use crate::mma_sync::{
     store_row, zeros,
 };
 use crate::problem::FloatDtype;
+use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
 use crate::tile::{Head, RowLayout, SharedLayout, last_first, stage_rows_async};
 use crate::wgmma::{
@@ -54,6 +55,8 @@ pub fn flash_forward_mma<F: Float>(
     v: &Tensor<F>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
+    cu_seqlens_q: &Tensor<i32>,
+    cu_seqlens_kv: &Tensor<i32>,
     q_rows: RowLayout,
     k_rows: RowLayout,
     v_rows: RowLayout,
@@ -63,6 +66,7 @@ pub fn flash_forward_mma<F: Float>(
     window_right: i32,
     neg_inf: f32,
     #[comptime] config: RegisterMmaConfig,
+    #[comptime] packed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
@@ -100,14 +104,24 @@ pub fn flash_forward_mma<F: Float>(
     let group = lane / LANES_PER_ROW;
     let in_group = lane % LANES_PER_ROW;
 
-    let seq_q = q.shape(2);
-    let seq_kv = k.shape(2);
     // The query blocks of one head are neighbours in the launch, so that the cubes running
     // together share their heads' K and V in L2; within a head the last blocks come first:
     // under a causal mask those see the most keys.
     let head = Head::from_cube(q.shape(1), k.shape(1));
+    let sequence = Sequence::of(
+        head.batch,
+        q.shape(2),
+        k.shape(2),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        packed,
+    );
+    let (seq_q, seq_kv) = (sequence.seq_q, sequence.seq_kv);
     let q_block = last_first(CUBE_POS_X as usize, CUBE_COUNT_X as usize);
     let q_begin = q_block * block_q;
+    if q_begin >= seq_q {
+        terminate!();
+    }
     let q_end = min(q_begin + block_q, seq_q);
     let plane_row = PLANE_POS as usize * FRAGMENT * m_tiles;
 
@@ -146,9 +160,9 @@ pub fn flash_forward_mma<F: Float>(
         stage_rows_async(
             q,
             &q_rows,
-            head.batch,
+            sequence.batch,
             head.head_q,
-            q_begin,
+            sequence.q_first + q_begin,
             &mut q_tile,
             0,
             block_q,
@@ -161,6 +175,7 @@ pub fn flash_forward_mma<F: Float>(
             k,
             &k_rows,
             &head,
+            &sequence,
             k0,
             &mut k_tile,
             0,
@@ -176,6 +191,7 @@ pub fn flash_forward_mma<F: Float>(
             v,
             &v_rows,
             &head,
+            &sequence,
             k0,
             &mut v_tile,
             0,
@@ -229,6 +245,7 @@ pub fn flash_forward_mma<F: Float>(
                 k,
                 &k_rows,
                 &head,
+                &sequence,
                 next_k0,
                 &mut k_tile,
                 next,
@@ -245,6 +262,7 @@ pub fn flash_forward_mma<F: Float>(
                     v,
                     &v_rows,
                     &head,
+                    &sequence,
                     next_k0,
                     &mut v_tile,
                     next,
@@ -415,6 +433,7 @@ pub fn flash_forward_mma<F: Float>(
                     v,
                     &v_rows,
                     &head,
+                    &sequence,
                     next_k0,
                     &mut v_tile,
                     next,
@@ -480,9 +499,10 @@ pub fn flash_forward_mma<F: Float>(
             let row = q_begin + plane_row + t * FRAGMENT + group + 8 * half;
             if row < seq_q {
                 let inv = select(sum > 0.0, 1.0 / sum, 0.0);
+                let row = sequence.q_first + row;
                 store_row(
                     out,
-                    head.batch,
+                    sequence.batch,
                     head.head_q,
                     row,
                     &o_acc,
@@ -493,7 +513,7 @@ pub fn flash_forward_mma<F: Float>(
                     config.dim_v,
                 );
                 if in_group == 0 {
-                    let lse_index = head.batch * lse.stride(0)
+                    let lse_index = sequence.batch * lse.stride(0)
                         + head.head_q * lse.stride(1)
                         + row * lse.stride(2);
                     let lse_value =
@@ -505,14 +525,15 @@ pub fn flash_forward_mma<F: Float>(
     }
 }
 
-/// Copies the `rows` rows of `t` from `first` (of the cube's key/value head) into stage
-/// `stage` of `tile` asynchronously, their arrival tracked by that stage's barrier.
+/// Copies the `rows` rows of `t` from key `first` of the cube's sequence and key/value head
+/// into stage `stage` of `tile` asynchronously, their arrival tracked by that stage's barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_block<F: Float>(
     t: &Tensor<F>,
     rows_of: &RowLayout,
     head: &Head,
+    sequence: &Sequence,
     first: usize,
     tile: &mut Shared<[F]>,
     stage: usize,
@@ -528,9 +549,9 @@ fn stage_block<F: Float>(
     stage_rows_async(
         t,
         rows_of,
-        head.batch,
+        sequence.batch,
         head.head_kv,
-        first,
+        sequence.kv_first + first,
         tile,
         offset,
         rows,

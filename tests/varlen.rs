@@ -1,0 +1,316 @@
+//! Packed batches of variable-length sequences (no padding) against the f64 oracle run on
+//! each sequence alone, on every kernel path of the device.
+
+use burn_flash_attention::kernels::{
+    FloatDtype, KernelPath, PackedSequences,
+    backward::{Gradients, Saved, backward_packed_into},
+    forward::forward_packed_into,
+    reference,
+};
+use cubecl::client::Client;
+
+use crate::common::{self, Case, assert_close, case, dims, download, naive, poisoned, upload};
+
+/// A packed problem: the lengths of each sequence's queries and keys, and the options of
+/// `template` (whose sequence lengths are ignored).
+struct Packed {
+    lengths_q: Vec<usize>,
+    lengths_kv: Vec<usize>,
+    template: Case,
+}
+
+/// `[1, h, len, d]` (one sequence, the oracle's layout) from rows `first..first + len` of a
+/// packed `[total, h, d]`.
+fn sequence_of(packed: &[f64], heads: usize, dim: usize, first: usize, len: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(heads * len * dim);
+    for h in 0..heads {
+        for t in first..first + len {
+            let at = (t * heads + h) * dim;
+            out.extend_from_slice(&packed[at..at + dim]);
+        }
+    }
+    out
+}
+
+/// Writes one sequence's `[1, h, len, d]` into rows `first..` of a packed `[total, h, d]`.
+fn put_sequence(packed: &mut [f64], seq: &[f64], heads: usize, dim: usize, first: usize) {
+    let len = seq.len() / (heads * dim).max(1);
+    for h in 0..heads {
+        for t in 0..len {
+            let at = ((first + t) * heads + h) * dim;
+            packed[at..at + dim].copy_from_slice(&seq[(h * len + t) * dim..][..dim]);
+        }
+    }
+}
+
+/// What the oracle (and naive attention in the dtype) gives, sequence by sequence, laid out
+/// as the packed outputs: O `[total_q, h_q, d_v]`, LSE `[h_q, total_q]`, dQ, dK, dV.
+struct Expected {
+    out: Vec<f64>,
+    lse: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn expected(
+    p: &Packed,
+    dtype: FloatDtype,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d_out: &[f64],
+    oracle: bool,
+) -> Expected {
+    let d = p.template.dims;
+    let total_q: usize = p.lengths_q.iter().sum();
+    let total_kv: usize = p.lengths_kv.iter().sum();
+    let mut e = Expected {
+        out: vec![0.0; total_q * d.heads_q * d.dim_v],
+        lse: vec![f64::NEG_INFINITY; d.heads_q * total_q],
+        dq: vec![0.0; total_q * d.heads_q * d.dim_qk],
+        dk: vec![0.0; total_kv * d.heads_kv * d.dim_qk],
+        dv: vec![0.0; total_kv * d.heads_kv * d.dim_v],
+    };
+    let (mut q0, mut k0) = (0, 0);
+    for (&lq, &lk) in p.lengths_q.iter().zip(&p.lengths_kv) {
+        if lq > 0 && lk > 0 {
+            let one = Case {
+                dims: dims(1, d.heads_q, d.heads_kv, lq, lk, d.dim_qk, d.dim_v),
+                ..p.template
+            };
+            let sq = sequence_of(q, d.heads_q, d.dim_qk, q0, lq);
+            let sk = sequence_of(k, d.heads_kv, d.dim_qk, k0, lk);
+            let sv = sequence_of(v, d.heads_kv, d.dim_v, k0, lk);
+            let so = sequence_of(d_out, d.heads_q, d.dim_v, q0, lq);
+            let (out, lse, dq, dk, dv) = if oracle {
+                let opts = one.reference_options();
+                let f = reference::forward(&one.dims, &opts, &sq, &sk, &sv);
+                let b = reference::backward(&one.dims, &opts, &sq, &sk, &sv, &so);
+                (f.out, f.lse, b.dq, b.dk, b.dv)
+            } else {
+                let n = naive::attention(&one, dtype, &sq, &sk, &sv, &so);
+                (n.out, n.lse, n.dq, n.dk, n.dv)
+            };
+            put_sequence(&mut e.out, &out, d.heads_q, d.dim_v, q0);
+            put_sequence(&mut e.dq, &dq, d.heads_q, d.dim_qk, q0);
+            put_sequence(&mut e.dk, &dk, d.heads_kv, d.dim_qk, k0);
+            put_sequence(&mut e.dv, &dv, d.heads_kv, d.dim_v, k0);
+            for h in 0..d.heads_q {
+                e.lse[h * total_q + q0..][..lq].copy_from_slice(&lse[h * lq..][..lq]);
+            }
+        }
+        q0 += lq;
+        k0 += lk;
+    }
+    e
+}
+
+fn check_packed(client: &Client, p: &Packed, dtype: FloatDtype, path: KernelPath) {
+    let d = p.template.dims;
+    if path == KernelPath::RegisterMma && !(d.dim_qk % 8 == 0 && d.dim_v % 8 == 0) {
+        return;
+    }
+    let (seed, mut rng) = common::rng();
+    let context = format!(
+        "seed {seed} (FLASH_SEED={seed} reproduces), {path:?}, {dtype:?}, q lengths {:?}, kv \
+         lengths {:?}, {:?}",
+        p.lengths_q, p.lengths_kv, p.template
+    );
+    let total_q: usize = p.lengths_q.iter().sum();
+    let total_kv: usize = p.lengths_kv.iter().sum();
+    let shape_q = [total_q, d.heads_q, d.dim_qk];
+    let shape_k = [total_kv, d.heads_kv, d.dim_qk];
+    let shape_v = [total_kv, d.heads_kv, d.dim_v];
+    let shape_o = [total_q, d.heads_q, d.dim_v];
+    let n = |s: &[usize]| s.iter().product::<usize>();
+    let q = common::randn(&mut rng, n(&shape_q), dtype);
+    let k = common::randn(&mut rng, n(&shape_k), dtype);
+    let v = common::randn(&mut rng, n(&shape_v), dtype);
+    let d_out = common::randn(&mut rng, n(&shape_o), dtype);
+
+    let sequences_q = PackedSequences::from_lengths(client, &p.lengths_q).unwrap();
+    let sequences_kv = PackedSequences::from_lengths(client, &p.lengths_kv).unwrap();
+    let sequences = [&sequences_q, &sequences_kv];
+    let (tq, tk, tv) = (
+        upload(client, &q, &shape_q, dtype),
+        upload(client, &k, &shape_k, dtype),
+        upload(client, &v, &shape_v, dtype),
+    );
+    let t_do = upload(client, &d_out, &shape_o, dtype);
+    let out = poisoned(client, &shape_o, dtype);
+    let lse = poisoned(client, &[d.heads_q, total_q], FloatDtype::F32);
+    let options = p.template.options();
+    forward_packed_into(
+        client,
+        [&tq, &tk, &tv],
+        &out,
+        &lse,
+        sequences,
+        dtype,
+        options,
+        path,
+    )
+    .unwrap_or_else(|e| panic!("forward: {e} — {context}"));
+    let grads = Gradients {
+        dq: poisoned(client, &shape_q, dtype),
+        dk: poisoned(client, &shape_k, dtype),
+        dv: poisoned(client, &shape_v, dtype),
+    };
+    let saved = Saved {
+        q: &tq,
+        k: &tk,
+        v: &tv,
+        out: &out,
+        lse: &lse,
+    };
+    backward_packed_into(
+        client, saved, &t_do, &grads, sequences, dtype, options, path,
+    )
+    .unwrap_or_else(|e| panic!("backward: {e} — {context}"));
+
+    let want = expected(p, dtype, &q, &k, &v, &d_out, true);
+    let low = expected(p, dtype, &q, &k, &v, &d_out, false);
+    let got_lse = download(client, &lse, FloatDtype::F32);
+    assert_close(
+        "O",
+        &download(client, &out, dtype),
+        &want.out,
+        &low.out,
+        2e-5,
+        &context,
+    );
+    assert_close("LSE", &got_lse, &want.lse, &low.lse, 2e-5, &context);
+    for (name, got, want, low) in [
+        ("dQ", &grads.dq, &want.dq, &low.dq),
+        ("dK", &grads.dk, &want.dk, &low.dk),
+        ("dV", &grads.dv, &want.dv, &low.dv),
+    ] {
+        assert_close(
+            name,
+            &download(client, got, dtype),
+            want,
+            low,
+            1e-4,
+            &context,
+        );
+    }
+    // Rows of a sequence without keys: LSE −∞ exactly (O and dQ zero, checked above).
+    for (i, &l) in want.lse.iter().enumerate() {
+        if l == f64::NEG_INFINITY {
+            assert_eq!(got_lse[i], f64::NEG_INFINITY, "LSE entry {i} — {context}");
+        }
+    }
+}
+
+/// Packed batches: empty and one-token sequences, `s_q ≠ s_kv` both ways with a
+/// bottom-right causal mask per sequence, GQA, a window with a softcap, a head dim off the
+/// 16-byte grid.
+fn packed_cases() -> Vec<Packed> {
+    vec![
+        Packed {
+            lengths_q: vec![5, 0, 1, 37, 67],
+            lengths_kv: vec![7, 3, 0, 37, 150],
+            template: Case {
+                causal: true,
+                ..case(dims(0, 4, 2, 0, 0, 64, 64))
+            },
+        },
+        Packed {
+            lengths_q: vec![33, 1, 70],
+            lengths_kv: vec![33, 1, 70],
+            template: Case {
+                window: (Some(9), Some(4)),
+                softcap: Some(5.0),
+                ..case(dims(0, 2, 1, 0, 0, 40, 40))
+            },
+        },
+        Packed {
+            lengths_q: vec![130, 20],
+            lengths_kv: vec![100, 20],
+            template: Case {
+                causal: true,
+                ..case(dims(0, 2, 2, 0, 0, 128, 128))
+            },
+        },
+    ]
+}
+
+#[test]
+fn packed_batches_match_the_oracle_per_sequence() {
+    let client = common::client();
+    for p in packed_cases() {
+        for dtype in common::dtypes(&client) {
+            for path in common::paths(&client, dtype) {
+                check_packed(&client, &p, dtype, path);
+            }
+        }
+    }
+}
+
+/// The f32 sum of the atomic dQ (register-level path, long query sequences) adds each
+/// sequence's share into its own rows only.
+#[test]
+fn packed_batches_with_atomic_dq_match_the_oracle() {
+    let client = common::client();
+    let dtype = FloatDtype::BF16;
+    if !common::paths(&client, dtype).contains(&KernelPath::RegisterMma) {
+        return;
+    }
+    let p = Packed {
+        lengths_q: vec![300, 0, 257, 1],
+        lengths_kv: vec![290, 5, 300, 64],
+        template: Case {
+            causal: true,
+            ..case(dims(0, 4, 1, 0, 0, 128, 128))
+        },
+    };
+    check_packed(&client, &p, dtype, KernelPath::RegisterMma);
+}
+
+#[test]
+fn packed_tensors_that_disagree_with_the_lengths_are_refused() {
+    let client = common::client();
+    let dtype = FloatDtype::F32;
+    let sequences = PackedSequences::from_lengths(&client, &[3, 4]).unwrap();
+    let other = PackedSequences::from_lengths(&client, &[3, 4, 1]).unwrap();
+    let t = |shape: &[usize]| poisoned(&client, shape, dtype);
+    let (q, k, v) = (t(&[7, 2, 8]), t(&[7, 2, 8]), t(&[7, 2, 8]));
+    let run = |q: &_, k: &_, v: &_, kv: &_| {
+        burn_flash_attention::kernels::forward::forward_packed(
+            &client,
+            q,
+            k,
+            v,
+            &sequences,
+            kv,
+            dtype,
+            Default::default(),
+            KernelPath::Auto,
+        )
+        .map(|_| ())
+        .unwrap_err()
+        .to_string()
+    };
+    let long = t(&[8, 2, 8]);
+    let err = run(&long, &k, &v, &sequences);
+    assert!(
+        err.contains("`query`") && err.contains("cu_seqlens_q"),
+        "{err}"
+    );
+    let short = t(&[6, 2, 8]);
+    let err = run(&q, &k, &short, &sequences);
+    assert!(
+        err.contains("`value`") && err.contains("cu_seqlens_k"),
+        "{err}"
+    );
+    let flat = t(&[7, 16]);
+    let err = run(&q, &flat, &v, &sequences);
+    assert!(err.contains("`key`") && err.contains("rank 3"), "{err}");
+    let err = run(&q, &long, &long, &other);
+    assert!(
+        err.contains("`cu_seqlens_k`") && err.contains("sequences"),
+        "{err}"
+    );
+}
