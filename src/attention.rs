@@ -72,7 +72,7 @@ pub fn supports_flash_attention(device: &Device) -> bool {
 
 /// Whether the fused kernels run `problem` on `device`: a Cube device, and where its driver
 /// cuts loops short past a budget (lavapipe), a problem whose kernels stay within it.
-fn fused_kernels_take(device: &Device, problem: &AttentionProblem) -> bool {
+pub(crate) fn fused_kernels_take(device: &Device, problem: &AttentionProblem) -> bool {
     use burn::backend::DispatchDevice;
     #[allow(unreachable_patterns)]
     match device.clone().without_autodiff().as_dispatch() {

@@ -43,6 +43,56 @@ pub(crate) fn attention(
     (p.matmul(v), lse)
 }
 
+/// [`attention`] within each sequence of a packed batch (`q` `[total_q, h_q, d]`, `k`/`v`
+/// `[total_kv, h_kv, d]`, the sequences' lengths given): `(O [total_q, h_q, d_v], LSE
+/// [h_q, total_q])`, one composed attention per sequence.
+pub(crate) fn attention_packed(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    lengths_q: &[usize],
+    lengths_k: &[usize],
+    options: &FlashAttentionOptions,
+) -> (Tensor<3>, Tensor<2>) {
+    let [total_q, heads_q, _] = q.dims();
+    let dim_v = v.dims()[2];
+    let device = q.device();
+    // Rows `first..first + len` of a packed tensor as `[1, heads, len, dim]`.
+    let sequence = |t: &Tensor<3>, first: usize, len: usize| {
+        t.clone()
+            .slice([first..first + len])
+            .swap_dims(0, 1)
+            .unsqueeze_dim::<4>(0)
+    };
+    let (mut outs, mut lses) = (Vec::new(), Vec::new());
+    let (mut q0, mut k0) = (0, 0);
+    for (&len_q, &len_k) in lengths_q.iter().zip(lengths_k) {
+        if len_q > 0 && len_k == 0 {
+            let zeros = Tensor::<3>::zeros([len_q, heads_q, dim_v], &device);
+            outs.push(zeros.cast(q.dtype()));
+            let hidden = Tensor::<2>::full([heads_q, len_q], f32::NEG_INFINITY, &device);
+            lses.push(hidden.cast(FloatDType::F32));
+        } else if len_q > 0 {
+            let (o, lse) = attention(
+                sequence(&q, q0, len_q),
+                sequence(&k, k0, len_k),
+                sequence(&v, k0, len_k),
+                options,
+            );
+            outs.push(o.squeeze_dim::<3>(0).swap_dims(0, 1));
+            lses.push(lse.squeeze_dim::<2>(0));
+        }
+        q0 += len_q;
+        k0 += len_k;
+    }
+    if outs.is_empty() {
+        let out = Tensor::<3>::zeros([total_q, heads_q, dim_v], &device).cast(q.dtype());
+        let lse = Tensor::<2>::zeros([heads_q, total_q], &device).cast(FloatDType::F32);
+        return (out, lse);
+    }
+    (Tensor::cat(outs, 0), Tensor::cat(lses, 1))
+}
+
 /// [`attention`] with padded keys (`mask_pad` `[batch, seq_kv]`, `true` = padding) hidden
 /// as well, through Burn's composed attention.
 pub(crate) fn attention_with_padding(

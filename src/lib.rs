@@ -17,6 +17,8 @@
 //! - [`flash_attention`] / [`flash_attention_with_lse`]: the op;
 //! - [`flash_attention_with_kvcache`]: serving, new queries against a contiguous or paged
 //!   [`KvCache`] (new keys and values appended in place);
+//! - [`flash_attention_varlen`]: packed batches of variable-length sequences (no padding),
+//!   forward and backward, delimited by [`PackedSequences`];
 //! - [`FlashAttentionOptions`]: scale, causal, sliding window, softcap;
 //! - [`FlashMultiHeadAttention`]: a drop-in multi-head attention module;
 //! - [`ops::FlashAttentionOps`]: the backend extension, for backend authors;
@@ -29,14 +31,17 @@ pub mod module;
 pub mod ops;
 mod options;
 mod serving;
+mod varlen;
 
 pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_attention};
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
-pub use options::{DecodeOptions, FlashAttentionOptions};
+pub use options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
 pub use serving::{
     KvCache, PagedKvCache, RotaryEmbedding, flash_attention_with_kvcache,
     flash_attention_with_kvcache_and_lse,
 };
+
+pub use varlen::{PackedSequences, flash_attention_varlen, flash_attention_varlen_with_lse};
 
 /// The kernel crate, re-exported.
 pub use cubecl_flash_attention as kernels;

@@ -8,7 +8,7 @@ use burn::backend::{
     tensor::{FloatTensor, IntTensor},
 };
 
-use crate::options::{DecodeOptions, FlashAttentionOptions};
+use crate::options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
 
 #[backend_extension(
     Cube: cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm")),
@@ -37,6 +37,36 @@ pub trait FlashAttentionOps: Backend {
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
         options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// A packed batch: `q` `[total_q, h_q, d_qk]`, `k` `[total_kv, h_kv, d_qk]`, `v`
+    /// `[total_kv, h_kv, d_v]`, sequence `i` at rows `cu_seqlens_q[i]..cu_seqlens_q[i + 1]`
+    /// (`cu_seqlens_k` for K and V; Int `[b + 1]`, holding the offsets of the lengths in
+    /// `options`) → (`o` `[total_q, h_q, d_v]` in the dtype of `q`, `lse` `[h_q, total_q]`
+    /// in f32).
+    #[fusion(meta = meta::varlen_forward)]
+    fn flash_attention_varlen_fwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
+        options: VarlenOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Gradients of q, k, v of a packed batch for the upstream gradient `d_o` of `o`.
+    #[fusion(meta = meta::varlen_backward)]
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_varlen_bwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
+        options: VarlenOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
     /// Attention of `q` `[b, h_q, s_q, d_qk]` against a KV cache (contiguous `[b, h_kv,
@@ -73,7 +103,37 @@ mod meta {
     use burn::backend::fusion::custom::TensorSpec;
     use burn::tensor::{DType, Shape};
 
-    use crate::options::{DecodeOptions, FlashAttentionOptions};
+    use crate::options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
+
+    pub fn varlen_forward(
+        q: &TensorSpec,
+        _k: &TensorSpec,
+        v: &TensorSpec,
+        _cu_seqlens_q: &TensorSpec,
+        _cu_seqlens_k: &TensorSpec,
+        _options: &VarlenOptions,
+    ) -> (TensorSpec, TensorSpec) {
+        let (total, h) = (q.shape[0], q.shape[1]);
+        (
+            TensorSpec::new(Shape::new([total, h, v.shape[2]]), q.dtype),
+            TensorSpec::new(Shape::new([h, total]), DType::F32),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn varlen_backward(
+        q: &TensorSpec,
+        k: &TensorSpec,
+        v: &TensorSpec,
+        _o: &TensorSpec,
+        _lse: &TensorSpec,
+        _d_o: &TensorSpec,
+        _cu_seqlens_q: &TensorSpec,
+        _cu_seqlens_k: &TensorSpec,
+        _options: &VarlenOptions,
+    ) -> (TensorSpec, TensorSpec, TensorSpec) {
+        (q.clone(), k.clone(), v.clone())
+    }
 
     pub fn forward(
         q: &TensorSpec,

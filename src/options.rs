@@ -74,6 +74,17 @@ impl FlashAttentionOptions {
     }
 }
 
+/// Options of a packed-batch call ([`flash_attention_varlen`](crate::flash_attention_varlen)),
+/// as the backend extension receives them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct VarlenOptions {
+    pub attention: FlashAttentionOptions,
+    /// The query lengths `cu_seqlens_q` holds, as checked on the host.
+    pub lengths_q: Vec<usize>,
+    /// The key/value lengths `cu_seqlens_k` holds, as checked on the host.
+    pub lengths_k: Vec<usize>,
+}
+
 /// Options of a decode call ([`flash_attention_with_kvcache`](crate::flash_attention_with_kvcache)),
 /// as the backend extension receives them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

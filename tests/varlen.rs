@@ -314,3 +314,166 @@ fn packed_tensors_that_disagree_with_the_lengths_are_refused() {
         "{err}"
     );
 }
+
+/// The Burn op, forward and autodiff gradients, against the dense op run on each sequence
+/// alone: fused on the selected device, composed on Flex.
+mod op {
+    use burn::tensor::{Device, Tensor, TensorData};
+    use burn_flash_attention::{
+        FlashAttentionOptions, PackedSequences, flash_attention_varlen_with_lse,
+        flash_attention_with_lse,
+    };
+
+    use crate::common;
+
+    fn values<const D: usize>(t: Tensor<D>) -> Vec<f64> {
+        t.into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect()
+    }
+
+    fn close(what: &str, got: &[f64], want: &[f64], context: &str) {
+        let err = common::max_abs_diff(got, want);
+        assert!(err <= 2e-4, "{what}: max difference {err:.3e} — {context}");
+    }
+
+    fn check(
+        device: &Device,
+        lengths_q: &[usize],
+        lengths_k: &[usize],
+        options: FlashAttentionOptions,
+    ) {
+        let device = device.clone().autodiff();
+        let (heads_q, heads_k, dim) = (4, 2, 32);
+        let (total_q, total_k) = (
+            lengths_q.iter().sum::<usize>(),
+            lengths_k.iter().sum::<usize>(),
+        );
+        let (seed, mut rng) = common::rng();
+        let context = format!(
+            "seed {seed} (FLASH_SEED={seed} reproduces), {device:?}, {lengths_q:?}/{lengths_k:?}"
+        );
+        let mut tensor = |shape: [usize; 3]| {
+            let data: Vec<f32> = common::randn(
+                &mut rng,
+                shape.iter().product(),
+                burn_flash_attention::kernels::FloatDtype::F32,
+            )
+            .into_iter()
+            .map(|x| x as f32)
+            .collect();
+            Tensor::<3>::from_data(TensorData::new(data, shape), &device)
+        };
+        let q = tensor([total_q, heads_q, dim]).require_grad();
+        let k = tensor([total_k, heads_k, dim]).require_grad();
+        let v = tensor([total_k, heads_k, dim]).require_grad();
+        let g = tensor([total_q, heads_q, dim]);
+
+        let sequences_q = PackedSequences::from_lengths(lengths_q, &device);
+        let sequences_k = PackedSequences::from_lengths(lengths_k, &device);
+        let (out, lse) = flash_attention_varlen_with_lse(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            &sequences_q,
+            &sequences_k,
+            options,
+        );
+        let grads = (out.clone() * g.clone()).sum().backward();
+        let got = [values(out), values(lse)];
+        let got_grads = [&q, &k, &v].map(|t| values(t.grad(&grads).unwrap()));
+
+        // Sequence by sequence, through the dense op on `[1, h, len, d]`.
+        let (q2, k2, v2) = (
+            q.clone().detach().require_grad(),
+            k.clone().detach().require_grad(),
+            v.clone().detach().require_grad(),
+        );
+        let as_batch = |t: &Tensor<3>, first: usize, len: usize| {
+            t.clone()
+                .slice([first..first + len])
+                .swap_dims(0, 1)
+                .unsqueeze_dim::<4>(0)
+        };
+        let mut want_out = vec![0.0; total_q * heads_q * dim];
+        let mut want_lse = vec![f64::NEG_INFINITY; heads_q * total_q];
+        let mut loss = Tensor::<1>::zeros([1], &device);
+        let (mut q0, mut k0) = (0, 0);
+        for (&lq, &lk) in lengths_q.iter().zip(lengths_k) {
+            if lq > 0 && lk > 0 {
+                let (o, l) = flash_attention_with_lse(
+                    as_batch(&q2, q0, lq),
+                    as_batch(&k2, k0, lk),
+                    as_batch(&v2, k0, lk),
+                    options,
+                );
+                let o_rows = o.squeeze_dim::<3>(0).swap_dims(0, 1);
+                loss = loss + (o_rows.clone() * g.clone().slice([q0..q0 + lq])).sum();
+                let o_rows = values(o_rows);
+                want_out[q0 * heads_q * dim..][..o_rows.len()].copy_from_slice(&o_rows);
+                let l = values(l);
+                for h in 0..heads_q {
+                    want_lse[h * total_q + q0..][..lq].copy_from_slice(&l[h * lq..][..lq]);
+                }
+            }
+            q0 += lq;
+            k0 += lk;
+        }
+        let grads = loss.backward();
+        close("O", &got[0], &want_out, &context);
+        close("LSE", &got[1], &want_lse, &context);
+        for (name, (got, t)) in ["dQ", "dK", "dV"]
+            .iter()
+            .zip(got_grads.iter().zip([&q2, &k2, &v2]))
+        {
+            let want = t
+                .grad(&grads)
+                .map(values)
+                .unwrap_or_else(|| vec![0.0; got.len()]);
+            close(name, got, &want, &context);
+        }
+    }
+
+    #[test]
+    fn varlen_op_matches_attention_sequence_by_sequence() {
+        let causal = FlashAttentionOptions::default().with_causal(true);
+        let windowed = FlashAttentionOptions::default()
+            .with_window(Some(5), Some(2))
+            .with_softcap(Some(4.0));
+        for device in [common::burn_device(), Device::flex()] {
+            check(&device, &[9, 0, 1, 40], &[12, 4, 0, 33], causal);
+            check(&device, &[17, 3], &[17, 3], windowed);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "`cu_seqlens`")]
+    fn decreasing_offsets_name_cu_seqlens() {
+        let device = common::burn_device();
+        let offsets = Tensor::<1, burn::tensor::Int>::from_data(
+            TensorData::new(vec![0i64, 5, 3], [3]),
+            &device,
+        );
+        PackedSequences::from_cu_seqlens(offsets);
+    }
+
+    #[test]
+    #[should_panic(expected = "the total of `cu_seqlens_q`")]
+    fn a_total_that_disagrees_names_the_query() {
+        let device = common::burn_device();
+        let t = |n: usize| Tensor::<3>::zeros([n, 2, 8], &device);
+        let sequences = PackedSequences::from_lengths(&[3, 4], &device);
+        flash_attention_varlen_with_lse(
+            t(8),
+            t(7),
+            t(7),
+            &sequences,
+            &sequences,
+            Default::default(),
+        );
+    }
+}

@@ -13,7 +13,7 @@ use burn::backend::{
 };
 
 use crate::ops::FlashAttentionOps;
-use crate::options::{DecodeOptions, FlashAttentionOptions};
+use crate::options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
 
 #[derive(Debug)]
 struct FlashAttentionBackward;
@@ -50,7 +50,125 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 3> for FlashAttentionBackward {
     }
 }
 
+#[derive(Debug)]
+struct VarlenBackward;
+
+impl<B: Backend + FlashAttentionOps> Backward<B, 3> for VarlenBackward {
+    /// Checkpointed Q, K, V; the forward's O and LSE; the sequences' offsets; the options.
+    type State = (
+        NodeId,
+        NodeId,
+        NodeId,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        IntTensor<B>,
+        IntTensor<B>,
+        VarlenOptions,
+    );
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let d_o = grads.consume::<B>(&ops.node);
+        let (q_id, k_id, v_id, o, lse, cu_q, cu_k, options) = ops.state;
+        let q = checkpointer.retrieve_node_output(q_id);
+        let k = checkpointer.retrieve_node_output(k_id);
+        let v = checkpointer.retrieve_node_output(v_id);
+        let (dq, dk, dv) = B::flash_attention_varlen_bwd(q, k, v, o, lse, d_o, cu_q, cu_k, options);
+        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps for Autodiff<B, C> {
+    fn flash_attention_varlen_fwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
+        options: VarlenOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        match VarlenBackward
+            .prepare::<C>([q.node(), k.node(), v.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let q_id = prep.checkpoint(&q);
+                let k_id = prep.checkpoint(&k);
+                let v_id = prep.checkpoint(&v);
+                let (o, lse) = B::flash_attention_varlen_fwd(
+                    q.into_primitive(),
+                    k.into_primitive(),
+                    v.into_primitive(),
+                    cu_seqlens_q.clone(),
+                    cu_seqlens_k.clone(),
+                    options.clone(),
+                );
+                let state = (
+                    q_id,
+                    k_id,
+                    v_id,
+                    o.clone(),
+                    lse.clone(),
+                    cu_seqlens_q,
+                    cu_seqlens_k,
+                    options,
+                );
+                (prep.finish(state, o), Self::from_inner(lse))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (o, lse) = B::flash_attention_varlen_fwd(
+                    q.into_primitive(),
+                    k.into_primitive(),
+                    v.into_primitive(),
+                    cu_seqlens_q,
+                    cu_seqlens_k,
+                    options,
+                );
+                (prep.finish(o), Self::from_inner(lse))
+            }
+        }
+    }
+
+    /// Not differentiable itself (no double backward).
+    fn flash_attention_varlen_bwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
+        options: VarlenOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dk, dv) = B::flash_attention_varlen_bwd(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            o.into_primitive(),
+            lse.into_primitive(),
+            d_o.into_primitive(),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            options,
+        );
+        (
+            Self::from_inner(dq),
+            Self::from_inner(dk),
+            Self::from_inner(dv),
+        )
+    }
+
     fn flash_attention_fwd(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

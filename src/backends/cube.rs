@@ -8,16 +8,16 @@ use burn_cubecl::{
     tensor::CubeTensor,
 };
 use cubecl_flash_attention::{
-    DeviceTensor, FloatDtype, KernelPath,
-    backward::{Saved, backward},
+    DeviceTensor, FloatDtype, KernelPath, PackedSequences,
+    backward::{Saved, backward, backward_packed},
     decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
-    forward::forward,
+    forward::{forward, forward_packed},
     rotary::Rotary,
 };
 
 use crate::attention::kernel_dtype;
 use crate::ops::FlashAttentionOps;
-use crate::options::{DecodeOptions, FlashAttentionOptions};
+use crate::options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
 
 /// The kernel crate's view of a Burn tensor (strides kept: no copy for strided views).
 fn device_tensor(t: CubeTensor) -> DeviceTensor {
@@ -41,6 +41,15 @@ fn cube_tensor(like: &CubeTensor, t: DeviceTensor, dtype: DType) -> CubeTensor {
         t.handle,
         dtype,
     )
+}
+
+/// A packed batch's sequences: `cu_seqlens` (cast to i32) with the lengths it holds.
+fn packed_sequences(cu_seqlens: CubeTensor, lengths: &[usize]) -> PackedSequences {
+    PackedSequences::from_device(
+        device_tensor(cast(cu_seqlens, DType::I32)),
+        lengths.to_vec(),
+    )
+    .unwrap_or_else(|e| panic!("flash_attention_varlen: {e}"))
 }
 
 /// The kernels' dtype; the public API has already rejected anything else.
@@ -105,6 +114,76 @@ impl FlashAttentionOps for CubeBackend {
             KernelPath::Auto,
         )
         .unwrap_or_else(|e| panic!("flash attention backward: {e}"));
+        (
+            cube_tensor(&like, grads.dq, dtype),
+            cube_tensor(&like, grads.dk, dtype),
+            cube_tensor(&like, grads.dv, dtype),
+        )
+    }
+
+    fn flash_attention_varlen_fwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
+        options: VarlenOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let dtype = q.dtype;
+        let client = q.client.clone();
+        let like = q.clone();
+        let result = forward_packed(
+            &client,
+            &device_tensor(q),
+            &device_tensor(k),
+            &device_tensor(v),
+            &packed_sequences(cu_seqlens_q, &options.lengths_q),
+            &packed_sequences(cu_seqlens_k, &options.lengths_k),
+            float_dtype(dtype),
+            options.attention.kernel_options(),
+            KernelPath::Auto,
+        )
+        .unwrap_or_else(|e| panic!("flash_attention_varlen forward: {e}"));
+        (
+            cube_tensor(&like, result.out, dtype),
+            cube_tensor(&like, result.lse, DType::F32),
+        )
+    }
+
+    fn flash_attention_varlen_bwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
+        options: VarlenOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let dtype = q.dtype;
+        let client = q.client.clone();
+        let like = q.clone();
+        let (q, k, v) = (device_tensor(q), device_tensor(k), device_tensor(v));
+        let (o, lse, d_o) = (device_tensor(o), device_tensor(lse), device_tensor(d_o));
+        let saved = Saved {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &o,
+            lse: &lse,
+        };
+        let grads = backward_packed(
+            &client,
+            saved,
+            &d_o,
+            &packed_sequences(cu_seqlens_q, &options.lengths_q),
+            &packed_sequences(cu_seqlens_k, &options.lengths_k),
+            float_dtype(dtype),
+            options.attention.kernel_options(),
+            KernelPath::Auto,
+        )
+        .unwrap_or_else(|e| panic!("flash_attention_varlen backward: {e}"));
         (
             cube_tensor(&like, grads.dq, dtype),
             cube_tensor(&like, grads.dk, dtype),

@@ -87,6 +87,32 @@ impl PackedSequences {
         })
     }
 
+    /// Sequences of the given lengths whose `cu_seqlens` (`[b + 1]` i32) is already on the
+    /// device; it must hold the offsets of `lengths` (0, then their running sums), which
+    /// the kernels read without checking.
+    pub fn from_device(cu_seqlens: DeviceTensor, lengths: Vec<usize>) -> Result<Self, FlashError> {
+        if cu_seqlens.shape != [lengths.len() + 1] {
+            return Err(FlashError::Shape {
+                arg: "cu_seqlens",
+                shape: cu_seqlens.shape,
+                expected: format!(
+                    "[{}] (one offset per sequence, then the total)",
+                    lengths.len() + 1
+                ),
+            });
+        }
+        if i32::try_from(lengths.iter().sum::<usize>()).is_err() {
+            return Err(FlashError::Option {
+                arg: "cu_seqlens",
+                expected: "a total below 2^31 tokens".into(),
+            });
+        }
+        Ok(Self {
+            cu_seqlens,
+            lengths,
+        })
+    }
+
     /// The lengths `cu_seqlens` (host values, as read back from the device tensor) gives:
     /// an error naming `arg` unless it starts at 0 and never decreases.
     pub fn lengths_of(arg: &'static str, cu_seqlens: &[i64]) -> Result<Vec<usize>, FlashError> {
