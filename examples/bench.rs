@@ -14,6 +14,10 @@
 //! device sync: it adds one host-device round trip per call, and on a tiny problem it
 //! shows the fixed cost of a call (host work, launch).
 //!
+//! `ours-varlen` runs each problem as a packed batch (`flash_attention_varlen`: the `b`
+//! sequences of length `s` concatenated, `[b·s, h, d]`) on the same tokens, to show what
+//! packing costs against the padded equal-length run (`ours`).
+//!
 //! Memory per call, from CubeCL's memory report: `held_extra_mib`, what the outputs hold
 //! after the call; `peak_extra_mib`, how far the device memory reserved by the call grew
 //! from a cleaned-up pool (an upper bound of the transient peak at the pool's page size).
@@ -25,7 +29,9 @@ use std::time::Instant;
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Distribution, FloatDType, Tensor};
-use burn_flash_attention::{FlashAttentionOptions, flash_attention};
+use burn_flash_attention::{
+    FlashAttentionOptions, PackedSequences, flash_attention, flash_attention_varlen,
+};
 use clap::Parser;
 use serde::Serialize;
 
@@ -47,8 +53,8 @@ struct Args {
     /// Dtypes: bf16, f16, f32.
     #[arg(long, value_delimiter = ',', default_values = ["bf16"])]
     dtypes: Vec<String>,
-    /// Implementations: ours, ours-deterministic (the backward without atomics), burn,
-    /// materialized.
+    /// Implementations: ours, ours-deterministic (the backward without atomics),
+    /// ours-varlen (the same sequences as a packed batch), burn, materialized.
     #[arg(long, value_delimiter = ',', default_values = ["ours", "burn", "materialized"])]
     impls: Vec<String>,
     /// Passes: fwd, bwd, fwd_bwd.
@@ -254,6 +260,16 @@ fn main() {
             Tensor::<4>::random([b, heads, s, d], Distribution::Normal(0.0, 1.0), &dev).cast(dtype_)
         };
         let (q, k, v) = (make(h), make(h_kv), make(h_kv));
+        // The packed batch's `[b·s, heads, d]` tensors, seen as `[b, heads, s, d]` (a view).
+        let packed = |t: &Tensor<4>| {
+            let [_, heads, _, _] = t.dims();
+            t.clone()
+                .swap_dims(1, 2)
+                .reshape([b * s, heads, d])
+                .reshape([b, s, heads, d])
+                .swap_dims(1, 2)
+        };
+        let sequences = PackedSequences::from_lengths(&vec![s; b], &dev);
         let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
         for imp in &args.impls {
             let ours = imp.starts_with("ours");
@@ -271,7 +287,26 @@ fn main() {
                 softcap: None,
                 is_causal: causal,
             };
+            let (q, k, v) = match imp.as_str() {
+                "ours-varlen" => (packed(&q), packed(&k), packed(&v)),
+                _ => (q.clone(), k.clone(), v.clone()),
+            };
+            let unpack = |t: Tensor<4>| {
+                let [_, heads, _, dim] = t.dims();
+                t.swap_dims(1, 2).reshape([b * s, heads, dim])
+            };
             let forward = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>| match imp.as_str() {
+                "ours-varlen" => {
+                    let o = flash_attention_varlen(
+                        unpack(q),
+                        unpack(k),
+                        unpack(v),
+                        &sequences,
+                        &sequences,
+                        opts,
+                    );
+                    o.reshape([b, s, h, d]).swap_dims(1, 2)
+                }
                 _ if ours => flash_attention(q, k, v, opts),
                 "burn" => attention(q, k, v, None, None, burn_opts),
                 _ => attention_fallback(q, k, v, None, None, burn_opts),
