@@ -19,6 +19,9 @@
 //!   [`KvCache`] (new keys and values appended in place);
 //! - [`flash_attention_varlen`]: packed batches of variable-length sequences (no padding),
 //!   forward and backward, delimited by [`PackedSequences`];
+//! - [`warm_up`]: compiles the kernels a model will launch before the first request; with
+//!   the `kernel-cache` feature, `enable_kernel_cache` keeps them on disk for later
+//!   processes;
 //! - [`FlashAttentionOptions`]: scale, causal, sliding window, softcap;
 //! - [`FlashMultiHeadAttention`]: a drop-in multi-head attention module;
 //! - [`ops::FlashAttentionOps`]: the backend extension, for backend authors;
@@ -32,6 +35,7 @@ pub mod ops;
 mod options;
 mod serving;
 mod varlen;
+mod warm_up;
 
 pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_attention};
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
@@ -42,6 +46,9 @@ pub use serving::{
 };
 
 pub use varlen::{PackedSequences, flash_attention_varlen, flash_attention_varlen_with_lse};
+#[cfg(feature = "kernel-cache")]
+pub use warm_up::enable_kernel_cache;
+pub use warm_up::{WarmUp, warm_up};
 
 /// The kernel crate, re-exported.
 pub use cubecl_flash_attention as kernels;

@@ -49,3 +49,41 @@ fn generate_matches_recomputation_in_its_tiny_configuration() {
     }
     let _ = std::fs::remove_file(checkpoint);
 }
+
+/// `cold_start` warms up a tiny model's calls with the kernel cache switched on: the cache
+/// directory holds CubeCL's environment afterwards, and a second process starts from it.
+#[cfg(feature = "kernel-cache")]
+#[test]
+fn cold_start_keeps_its_environment_in_the_cache_directory() {
+    let dir = std::env::temp_dir().join(format!("flash-kernels-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for run in ["first process", "second process"] {
+        let out = Command::new(example("cold_start"))
+            .args([
+                "--device",
+                &common::device_name(),
+                "--tiny",
+                "--dtype",
+                "f32",
+            ])
+            .arg("--cache-dir")
+            .arg(&dir)
+            .output()
+            .expect("running the example");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "cold_start ({run}) failed: {}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("\"kernel_cache\":true"), "{run}: {stdout}");
+        let entries = std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or(0);
+        assert!(
+            entries > 0,
+            "{run}: nothing was written under {}",
+            dir.display()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -241,3 +241,61 @@ fn problems_past_the_loop_budget_take_the_composed_path() {
 
     check_against_oracle(&device, &case, false);
 }
+
+/// `warm_up` runs each kind of call (training step, packed batch, paged decode with rotary)
+/// on the test device.
+#[test]
+fn warm_up_runs_each_kind_of_call() {
+    use burn_flash_attention::{WarmUp, warm_up};
+    let device = common::burn_device();
+    let causal = FlashAttentionOptions::default().with_causal(true);
+    warm_up(
+        &device,
+        burn::tensor::DType::F32,
+        &[
+            WarmUp::Attention {
+                q: [1, 4, 33, 32],
+                k: [1, 2, 40, 32],
+                v: [1, 2, 40, 32],
+                options: causal,
+                backward: true,
+            },
+            WarmUp::Varlen {
+                lengths_q: vec![5, 0, 17],
+                lengths_k: vec![9, 3, 17],
+                heads: [4, 2],
+                dims: [32, 32],
+                options: causal,
+                backward: true,
+            },
+            WarmUp::Decode {
+                batch: 2,
+                new_tokens: 1,
+                capacity: 48,
+                page_size: Some(16),
+                heads: [4, 2],
+                dims: [32, 32],
+                append: true,
+                rotary: Some((16, false)),
+                options: causal,
+            },
+        ],
+    );
+}
+
+#[test]
+#[should_panic(expected = "`key`")]
+fn warm_up_refuses_what_the_call_would() {
+    use burn_flash_attention::{WarmUp, warm_up};
+    warm_up(
+        &common::burn_device(),
+        burn::tensor::DType::F32,
+        &[WarmUp::Attention {
+            q: [1, 2, 8, 16],
+            k: [1, 2, 8, 8],
+            v: [1, 2, 8, 16],
+            options: FlashAttentionOptions::default(),
+            backward: false,
+        }],
+    );
+}

@@ -17,6 +17,8 @@ pub mod config;
 pub mod decode;
 pub mod error;
 pub mod forward;
+#[cfg(feature = "kernel-cache")]
+pub mod kernel_cache;
 pub mod launch;
 pub mod loop_budget;
 pub mod mask;

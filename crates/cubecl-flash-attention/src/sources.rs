@@ -606,20 +606,23 @@ fn kernels(
             ));
         }
     }
-    kernels.push((
-        "backward_delta",
-        Ok(Box::new(flash_backward_delta::FlashBackwardDelta::new(
-            settings(256),
-            props.clone(),
-            tprops.clone(),
-            tensor(),
-            tensor(),
-            tensor(),
-            problem.dim_v,
-            256 / DELTA_LANES,
-            elem,
-        ))),
-    ));
+    // The D kernel works row by row, the same for packed batches.
+    if !packed {
+        kernels.push((
+            "backward_delta",
+            Ok(Box::new(flash_backward_delta::FlashBackwardDelta::new(
+                settings(256),
+                props.clone(),
+                tprops.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                problem.dim_v,
+                256 / DELTA_LANES,
+                elem,
+            ))),
+        ));
+    }
     kernels.push((
         "backward_dkdv",
         dkdv_portable_config(problem, limits).map_err(err).map(|c| {
@@ -789,6 +792,9 @@ fn kernels(
                             ),
                         )),
                     ));
+                }
+                if c.atomic_dq && packed {
+                    continue; // the conversion from the f32 sum works element by element
                 }
                 if c.atomic_dq {
                     kernels.push((
