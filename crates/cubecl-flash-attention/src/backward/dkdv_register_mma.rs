@@ -413,11 +413,14 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 }
             }
         }
+        // The cube's whole key block, past the sequence's end included: those rows hold the
+        // next sequence's keys in a packed batch, and their scores must be hidden before
+        // `dS·K` reaches the shared dQ sum.
         let needs_mask = !mask.is_block_visible(
             q0,
             q0 + i32::cast_from(block_q),
             i32::cast_from(k_begin),
-            i32::cast_from(k_end),
+            i32::cast_from(k_begin + block_k),
         );
         if needs_mask {
             #[unroll]
