@@ -16,7 +16,9 @@
 //!
 //! `ours-varlen` runs each problem as a packed batch (`flash_attention_varlen`: the `b`
 //! sequences of length `s` concatenated, `[b·s, h, d]`) on the same tokens, to show what
-//! packing costs against the padded equal-length run (`ours`).
+//! packing costs against the padded equal-length run (`ours`); `ours-bshd` runs the dense op
+//! on that same memory (`[b, s, h, d]` viewed through `swap_dims(1, 2)`), which separates
+//! the cost of the layout from that of the packing.
 //!
 //! Memory per call, from CubeCL's memory report: `held_extra_mib`, what the outputs hold
 //! after the call; `peak_extra_mib`, how far the device memory reserved by the call grew
@@ -54,7 +56,8 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_values = ["bf16"])]
     dtypes: Vec<String>,
     /// Implementations: ours, ours-deterministic (the backward without atomics),
-    /// ours-varlen (the same sequences as a packed batch), burn, materialized.
+    /// ours-varlen (the same sequences as a packed batch), ours-bshd (the dense op on the
+    /// packed batch's `[b, s, h, d]` memory), burn, materialized.
     #[arg(long, value_delimiter = ',', default_values = ["ours", "burn", "materialized"])]
     impls: Vec<String>,
     /// Passes: fwd, bwd, fwd_bwd.
@@ -288,7 +291,7 @@ fn main() {
                 is_causal: causal,
             };
             let (q, k, v) = match imp.as_str() {
-                "ours-varlen" => (packed(&q), packed(&k), packed(&v)),
+                "ours-varlen" | "ours-bshd" => (packed(&q), packed(&k), packed(&v)),
                 _ => (q.clone(), k.clone(), v.clone()),
             };
             let unpack = |t: Tensor<4>| {

@@ -85,6 +85,26 @@ pub(crate) fn fused_kernels_take(device: &Device, problem: &AttentionProblem) ->
     }
 }
 
+/// Panics, naming the argument, unless each of `others` (argument, dtype, device) has the
+/// dtype and the device of `q`.
+pub(crate) fn check_like_q(
+    op: &str,
+    q: (DType, &Device),
+    others: impl IntoIterator<Item = (&'static str, DType, Device)>,
+) {
+    let (dtype, device) = q;
+    for (arg, t_dtype, t_device) in others {
+        assert_eq!(
+            t_dtype, dtype,
+            "{op}: `{arg}` has dtype {t_dtype:?}, expected {dtype:?} (the dtype of `q`)"
+        );
+        assert!(
+            &t_device == device,
+            "{op}: `{arg}` is on device {t_device:?}, expected {device:?} (the device of `q`)"
+        );
+    }
+}
+
 /// The kernels' dtype for a Burn dtype, if they take it.
 pub(crate) fn kernel_dtype(dtype: DType) -> Option<FloatDtype> {
     match dtype {
@@ -106,20 +126,11 @@ fn validate(
     let Some(kernel_dtype) = kernel_dtype(dtype) else {
         panic!("flash_attention: `q` has dtype {dtype:?}, expected F32, F16 or BF16");
     };
-    for (arg, t) in [("k", k), ("v", v)] {
-        assert_eq!(
-            t.dtype(),
-            dtype,
-            "flash_attention: `{arg}` has dtype {:?}, expected {dtype:?} (the dtype of `q`)",
-            t.dtype()
-        );
-        assert!(
-            t.device() == q.device(),
-            "flash_attention: `{arg}` is on device {:?}, expected {:?} (the device of `q`)",
-            t.device(),
-            q.device()
-        );
-    }
+    check_like_q(
+        "flash_attention",
+        (dtype, &q.device()),
+        [("k", k), ("v", v)].map(|(arg, t)| (arg, t.dtype(), t.device())),
+    );
     AttentionProblem::new(
         &q.dims(),
         &k.dims(),

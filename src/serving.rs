@@ -6,7 +6,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use cubecl_flash_attention::decode::CacheGeometry;
 use cubecl_flash_attention::rotary::RotaryConfig;
 
-use crate::attention::{kernel_dtype, supports_flash_attention};
+use crate::attention::{check_like_q, kernel_dtype, supports_flash_attention};
 use crate::fallback;
 use crate::ops::FlashAttentionOps;
 use crate::options::{DecodeOptions, FlashAttentionOptions};
@@ -289,20 +289,13 @@ fn validate(
             );
         }
     }
-    for (arg, t) in floats {
-        assert_eq!(
-            t.dtype(),
-            dtype,
-            "{OP}: `{arg}` has dtype {:?}, expected {dtype:?} (the dtype of `q`)",
-            t.dtype()
-        );
-        assert!(
-            t.device() == q.device(),
-            "{OP}: `{arg}` is on device {:?}, expected {:?} (the device of `q`)",
-            t.device(),
-            q.device()
-        );
-    }
+    check_like_q(
+        OP,
+        (dtype, &q.device()),
+        floats
+            .into_iter()
+            .map(|(arg, t)| (arg, t.dtype(), t.device())),
+    );
     let (k, v, table) = cache.shapes();
     let (geometry, s_new) = CacheGeometry::from_shapes(&k, &v, table.as_deref(), q.dims()[0])
         .and_then(|g| {

@@ -6,7 +6,7 @@ use burn::backend::Dispatch;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use cubecl_flash_attention::{AttentionProblem, PackedSequences as KernelSequences};
 
-use crate::attention::{fused_kernels_take, kernel_dtype};
+use crate::attention::{check_like_q, fused_kernels_take, kernel_dtype};
 use crate::fallback;
 use crate::ops::FlashAttentionOps;
 use crate::options::{FlashAttentionOptions, VarlenOptions};
@@ -166,20 +166,11 @@ fn validate(
     let Some(kernel_dtype) = kernel_dtype(dtype) else {
         panic!("{OP}: `q` has dtype {dtype:?}, expected F32, F16 or BF16");
     };
-    for (arg, t) in [("k", k), ("v", v)] {
-        assert_eq!(
-            t.dtype(),
-            dtype,
-            "{OP}: `{arg}` has dtype {:?}, expected {dtype:?} (the dtype of `q`)",
-            t.dtype()
-        );
-        assert!(
-            t.device() == q.device(),
-            "{OP}: `{arg}` is on device {:?}, expected {:?} (the device of `q`)",
-            t.device(),
-            q.device()
-        );
-    }
+    check_like_q(
+        OP,
+        (dtype, &q.device()),
+        [("k", k), ("v", v)].map(|(arg, t)| (arg, t.dtype(), t.device())),
+    );
     for (arg, sequences) in [("cu_seqlens_q", sequences_q), ("cu_seqlens_k", sequences_k)] {
         assert!(
             sequences.cu_seqlens.device() == q.device(),

@@ -2,16 +2,17 @@
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape};
+use burn_cubecl::cubecl::client::Client;
 use burn_cubecl::{
     CubeBackend,
     kernel::{cast, into_contiguous},
     tensor::CubeTensor,
 };
 use cubecl_flash_attention::{
-    DeviceTensor, FloatDtype, KernelPath, PackedSequences,
-    backward::{Saved, backward, backward_packed},
+    DeviceTensor, FlashError, FloatDtype, KernelPath, PackedSequences,
+    backward::{Gradients, Saved, backward, backward_packed},
     decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
-    forward::{forward, forward_packed},
+    forward::{ForwardOutput, forward, forward_packed},
     rotary::Rotary,
 };
 
@@ -52,6 +53,50 @@ fn packed_sequences(cu_seqlens: CubeTensor, lengths: &[usize]) -> PackedSequence
     .unwrap_or_else(|e| panic!("flash_attention_varlen: {e}"))
 }
 
+/// Runs a forward launcher on Burn tensors `[q, k, v]`: returns `(O, LSE)` as Burn tensors
+/// (panicking with `what` on a launcher error, which the public API's checks rule out).
+fn run_forward(
+    what: &str,
+    inputs: [CubeTensor; 3],
+    launch: impl FnOnce(&Client, [&DeviceTensor; 3], FloatDtype) -> Result<ForwardOutput, FlashError>,
+) -> (CubeTensor, CubeTensor) {
+    let like = inputs[0].clone();
+    let dtype = like.dtype;
+    let [q, k, v] = inputs.map(device_tensor);
+    let result = launch(&like.client, [&q, &k, &v], float_dtype(dtype))
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    (
+        cube_tensor(&like, result.out, dtype),
+        cube_tensor(&like, result.lse, DType::F32),
+    )
+}
+
+/// Runs a backward launcher on Burn tensors `[q, k, v, o, lse, d_o]`: returns `(dQ, dK, dV)`
+/// as Burn tensors (panicking with `what` on a launcher error).
+fn run_backward(
+    what: &str,
+    inputs: [CubeTensor; 6],
+    launch: impl FnOnce(&Client, Saved<'_>, &DeviceTensor, FloatDtype) -> Result<Gradients, FlashError>,
+) -> (CubeTensor, CubeTensor, CubeTensor) {
+    let like = inputs[0].clone();
+    let dtype = like.dtype;
+    let [q, k, v, out, lse, d_o] = inputs.map(device_tensor);
+    let saved = Saved {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        lse: &lse,
+    };
+    let grads = launch(&like.client, saved, &d_o, float_dtype(dtype))
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    (
+        cube_tensor(&like, grads.dq, dtype),
+        cube_tensor(&like, grads.dk, dtype),
+        cube_tensor(&like, grads.dv, dtype),
+    )
+}
+
 /// The kernels' dtype; the public API has already rejected anything else.
 fn float_dtype(dtype: DType) -> FloatDtype {
     kernel_dtype(dtype)
@@ -65,22 +110,20 @@ impl FlashAttentionOps for CubeBackend {
         v: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let dtype = q.dtype;
-        let client = q.client.clone();
-        let like = q.clone();
-        let result = forward(
-            &client,
-            &device_tensor(q),
-            &device_tensor(k),
-            &device_tensor(v),
-            float_dtype(dtype),
-            options.kernel_options(),
-            KernelPath::Auto,
-        )
-        .unwrap_or_else(|e| panic!("flash attention forward: {e}"));
-        (
-            cube_tensor(&like, result.out, dtype),
-            cube_tensor(&like, result.lse, DType::F32),
+        run_forward(
+            "flash attention forward",
+            [q, k, v],
+            |client, [q, k, v], dtype| {
+                forward(
+                    client,
+                    q,
+                    k,
+                    v,
+                    dtype,
+                    options.kernel_options(),
+                    KernelPath::Auto,
+                )
+            },
         )
     }
 
@@ -93,31 +136,20 @@ impl FlashAttentionOps for CubeBackend {
         d_o: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let dtype = q.dtype;
-        let client = q.client.clone();
-        let like = q.clone();
-        let (q, k, v) = (device_tensor(q), device_tensor(k), device_tensor(v));
-        let (o, lse, d_o) = (device_tensor(o), device_tensor(lse), device_tensor(d_o));
-        let saved = Saved {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &o,
-            lse: &lse,
-        };
-        let grads = backward(
-            &client,
-            saved,
-            &d_o,
-            float_dtype(dtype),
-            options.kernel_options(),
-            KernelPath::Auto,
-        )
-        .unwrap_or_else(|e| panic!("flash attention backward: {e}"));
-        (
-            cube_tensor(&like, grads.dq, dtype),
-            cube_tensor(&like, grads.dk, dtype),
-            cube_tensor(&like, grads.dv, dtype),
+        let inputs = [q, k, v, o, lse, d_o];
+        run_backward(
+            "flash attention backward",
+            inputs,
+            |client, saved, d_o, dtype| {
+                backward(
+                    client,
+                    saved,
+                    d_o,
+                    dtype,
+                    options.kernel_options(),
+                    KernelPath::Auto,
+                )
+            },
         )
     }
 
@@ -129,24 +161,24 @@ impl FlashAttentionOps for CubeBackend {
         cu_seqlens_k: IntTensor<Self>,
         options: VarlenOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let dtype = q.dtype;
-        let client = q.client.clone();
-        let like = q.clone();
-        let result = forward_packed(
-            &client,
-            &device_tensor(q),
-            &device_tensor(k),
-            &device_tensor(v),
-            &packed_sequences(cu_seqlens_q, &options.lengths_q),
-            &packed_sequences(cu_seqlens_k, &options.lengths_k),
-            float_dtype(dtype),
-            options.attention.kernel_options(),
-            KernelPath::Auto,
-        )
-        .unwrap_or_else(|e| panic!("flash_attention_varlen forward: {e}"));
-        (
-            cube_tensor(&like, result.out, dtype),
-            cube_tensor(&like, result.lse, DType::F32),
+        let sequences_q = packed_sequences(cu_seqlens_q, &options.lengths_q);
+        let sequences_k = packed_sequences(cu_seqlens_k, &options.lengths_k);
+        run_forward(
+            "flash_attention_varlen forward",
+            [q, k, v],
+            |client, [q, k, v], dtype| {
+                forward_packed(
+                    client,
+                    q,
+                    k,
+                    v,
+                    &sequences_q,
+                    &sequences_k,
+                    dtype,
+                    options.attention.kernel_options(),
+                    KernelPath::Auto,
+                )
+            },
         )
     }
 
@@ -161,33 +193,24 @@ impl FlashAttentionOps for CubeBackend {
         cu_seqlens_k: IntTensor<Self>,
         options: VarlenOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let dtype = q.dtype;
-        let client = q.client.clone();
-        let like = q.clone();
-        let (q, k, v) = (device_tensor(q), device_tensor(k), device_tensor(v));
-        let (o, lse, d_o) = (device_tensor(o), device_tensor(lse), device_tensor(d_o));
-        let saved = Saved {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &o,
-            lse: &lse,
-        };
-        let grads = backward_packed(
-            &client,
-            saved,
-            &d_o,
-            &packed_sequences(cu_seqlens_q, &options.lengths_q),
-            &packed_sequences(cu_seqlens_k, &options.lengths_k),
-            float_dtype(dtype),
-            options.attention.kernel_options(),
-            KernelPath::Auto,
-        )
-        .unwrap_or_else(|e| panic!("flash_attention_varlen backward: {e}"));
-        (
-            cube_tensor(&like, grads.dq, dtype),
-            cube_tensor(&like, grads.dk, dtype),
-            cube_tensor(&like, grads.dv, dtype),
+        let sequences_q = packed_sequences(cu_seqlens_q, &options.lengths_q);
+        let sequences_k = packed_sequences(cu_seqlens_k, &options.lengths_k);
+        let inputs = [q, k, v, o, lse, d_o];
+        run_backward(
+            "flash_attention_varlen backward",
+            inputs,
+            |client, saved, d_o, dtype| {
+                backward_packed(
+                    client,
+                    saved,
+                    d_o,
+                    &sequences_q,
+                    &sequences_k,
+                    dtype,
+                    options.attention.kernel_options(),
+                    KernelPath::Auto,
+                )
+            },
         )
     }
 

@@ -29,12 +29,12 @@ pub struct Sequence {
 
 #[cube]
 impl Sequence {
-    /// Sequence `batch`: of a dense batch with `seq_q` queries and `seq_kv` keys, or with
-    /// `packed` the one `cu_seqlens_q`/`cu_seqlens_kv` delimit.
-    pub fn of(
+    /// Sequence `batch`: of a dense batch (the lengths of `q` and `k`), or with `packed` the
+    /// one `cu_seqlens_q`/`cu_seqlens_kv` delimit.
+    pub fn of<F: Float>(
         batch: usize,
-        seq_q: usize,
-        seq_kv: usize,
+        q: &Tensor<F>,
+        k: &Tensor<F>,
         cu_seqlens_q: &Tensor<i32>,
         cu_seqlens_kv: &Tensor<i32>,
         #[comptime] packed: bool,
@@ -43,8 +43,8 @@ impl Sequence {
             batch,
             q_first: 0,
             kv_first: 0,
-            seq_q,
-            seq_kv,
+            seq_q: q.shape(2),
+            seq_kv: k.shape(2),
         };
         if comptime!(packed) {
             let q_first = usize::cast_from(cu_seqlens_q[batch]);

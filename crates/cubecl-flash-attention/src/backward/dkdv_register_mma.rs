@@ -125,8 +125,8 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let head_kv = CUBE_POS_Y as usize % heads_kv;
     let sequence = Sequence::of(
         CUBE_POS_Y as usize / heads_kv,
-        q.shape(2),
-        k.shape(2),
+        q,
+        k,
         cu_seqlens_q,
         cu_seqlens_kv,
         packed,

@@ -68,14 +68,7 @@ pub fn flash_backward_dq_cmma<F: Float>(
     let (plane_row0, my_row, part) = (unit.plane_first, unit.row, unit.part);
 
     let head = Head::from_cube(q.shape(1), k.shape(1));
-    let sequence = Sequence::of(
-        head.batch,
-        q.shape(2),
-        k.shape(2),
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        packed,
-    );
+    let sequence = Sequence::of(head.batch, q, k, cu_seqlens_q, cu_seqlens_kv, packed);
     let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
     let (q_first, kv_first) = (sequence.q_first, sequence.kv_first);
     let q_begin = CUBE_POS_X as usize * block_q;

@@ -45,14 +45,7 @@ pub fn flash_forward<F: Float>(
     let len_qk = q.shape(3);
     let len_v = v.shape(3);
     let head = Head::from_cube(q.shape(1), k.shape(1));
-    let sequence = Sequence::of(
-        head.batch,
-        q.shape(2),
-        k.shape(2),
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        packed,
-    );
+    let sequence = Sequence::of(head.batch, q, k, cu_seqlens_q, cu_seqlens_kv, packed);
     let (seq_q, seq_kv) = (sequence.seq_q, sequence.seq_kv);
     let q_begin = CUBE_POS_X as usize * block_q;
     if q_begin >= seq_q {

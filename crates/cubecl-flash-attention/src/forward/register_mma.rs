@@ -108,14 +108,7 @@ pub fn flash_forward_mma<F: Float>(
     // together share their heads' K and V in L2; within a head the last blocks come first:
     // under a causal mask those see the most keys.
     let head = Head::from_cube(q.shape(1), k.shape(1));
-    let sequence = Sequence::of(
-        head.batch,
-        q.shape(2),
-        k.shape(2),
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        packed,
-    );
+    let sequence = Sequence::of(head.batch, q, k, cu_seqlens_q, cu_seqlens_kv, packed);
     let (seq_q, seq_kv) = (sequence.seq_q, sequence.seq_kv);
     let q_block = last_first(CUBE_POS_X as usize, CUBE_COUNT_X as usize);
     let q_begin = q_block * block_q;
