@@ -19,9 +19,9 @@ const OP: &str = "flash_attention_varlen";
 /// that a call needs no read back).
 ///
 /// ```
-/// # use burn::tensor::Device;
+/// # let device = burn::tensor::Device::flex();
 /// use burn_flash_attention::PackedSequences;
-/// let sequences = PackedSequences::from_lengths(&[3, 0, 5], &Device::default());
+/// let sequences = PackedSequences::from_lengths(&[3, 0, 5], &device);
 /// assert_eq!((sequences.total(), sequences.longest()), (8, 5));
 /// ```
 #[derive(Clone, Debug)]

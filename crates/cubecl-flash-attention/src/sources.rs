@@ -350,9 +350,11 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
     let mut out: Vec<Result<KernelSource, String>> = Vec::new();
     let mut seen = std::collections::HashSet::new();
     // Packed batches change only how a cube finds its sequence: their forms are checked for
-    // one head dim with every option.
+    // one dtype and head dim with every option.
     let variants = shipped_problems().into_iter().flat_map(|problem| {
-        let packed = (problem.dim_qk, problem.dim_v) == (128, 128) && problem.options.mask.causal;
+        let packed = problem.dtype == FloatDtype::BF16
+            && (problem.dim_qk, problem.dim_v) == (128, 128)
+            && problem.options.mask.causal;
         [Some((problem, false)), packed.then_some((problem, true))]
     });
     for (problem, packed) in variants.flatten() {
