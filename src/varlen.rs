@@ -32,17 +32,12 @@ pub struct PackedSequences {
 
 impl PackedSequences {
     /// Sequences of the given lengths, packed in that order, on `device`.
+    ///
+    /// # Panics
+    /// Where the lengths add up to 2^31 tokens or more.
     pub fn from_lengths(lengths: &[usize], device: &Device) -> Self {
-        let mut offsets = Vec::with_capacity(lengths.len() + 1);
-        offsets.push(0i64);
-        for &length in lengths {
-            offsets.push(offsets[offsets.len() - 1] + length as i64);
-        }
-        let total = offsets[lengths.len()];
-        assert!(
-            total <= i32::MAX as i64,
-            "PackedSequences: the lengths add up to {total} tokens, at most 2^31 − 1 are taken"
-        );
+        let offsets =
+            KernelSequences::offsets(lengths).unwrap_or_else(|e| panic!("PackedSequences: {e}"));
         let count = offsets.len();
         Self {
             cu_seqlens: Tensor::from_data(TensorData::new(offsets, [count]), device),

@@ -157,7 +157,7 @@ pub fn warm_up(device: &Device, dtype: DType, calls: &[WarmUp]) {
                 });
                 // A short cache and a full one: the key range is split, or not, by length.
                 let appended = if *append { *new_tokens } else { 0 };
-                for length in [0, capacity - appended] {
+                for length in [0, capacity.saturating_sub(appended)] {
                     let q = zeros([batch, *heads_q, *new_tokens, *dim_qk], device);
                     let new = append.then(|| {
                         (

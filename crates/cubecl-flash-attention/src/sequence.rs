@@ -68,8 +68,9 @@ pub struct PackedSequences {
 }
 
 impl PackedSequences {
-    /// Sequences of the given lengths, packed in that order.
-    pub fn from_lengths(client: &Client, lengths: &[usize]) -> Result<Self, FlashError> {
+    /// The `cu_seqlens` of sequences of the given lengths: 0, then their running sums; an
+    /// error unless the total stays below 2^31 tokens.
+    pub fn offsets(lengths: &[usize]) -> Result<Vec<i32>, FlashError> {
         let mut starts = Vec::with_capacity(lengths.len() + 1);
         let mut total = 0usize;
         starts.push(0i32);
@@ -80,6 +81,12 @@ impl PackedSequences {
                 expected: format!("a total below 2^31 tokens, got {total} or more"),
             })?);
         }
+        Ok(starts)
+    }
+
+    /// Sequences of the given lengths, packed in that order.
+    pub fn from_lengths(client: &Client, lengths: &[usize]) -> Result<Self, FlashError> {
+        let starts = Self::offsets(lengths)?;
         let bytes: Vec<u8> = starts.iter().flat_map(|s| s.to_le_bytes()).collect();
         Ok(Self {
             cu_seqlens: DeviceTensor::from_bytes(client, &[starts.len()], &bytes),
@@ -101,12 +108,7 @@ impl PackedSequences {
                 ),
             });
         }
-        if i32::try_from(lengths.iter().sum::<usize>()).is_err() {
-            return Err(FlashError::Option {
-                arg: "cu_seqlens",
-                expected: "a total below 2^31 tokens".into(),
-            });
-        }
+        Self::offsets(&lengths)?;
         Ok(Self {
             cu_seqlens,
             lengths,

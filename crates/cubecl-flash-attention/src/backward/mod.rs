@@ -116,14 +116,10 @@ pub fn backward_into(
     options: AttentionOptions,
     path: KernelPath,
 ) -> Result<(), FlashError> {
-    let Saved { q, k, v, out, lse } = saved;
+    let Saved { q, k, v, .. } = saved;
     let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
-    expect_shape("out", out, &problem.out_shape())?;
-    expect_shape("d_out", d_out, &problem.out_shape())?;
-    expect_shape("lse", lse, &problem.lse_shape())?;
-    expect_shape("dq", &grads.dq, &q.shape)?;
-    expect_shape("dk", &grads.dk, &k.shape)?;
-    expect_shape("dv", &grads.dv, &v.shape)?;
+    let lse_shape = problem.lse_shape();
+    check_shapes(saved, d_out, grads, &problem.out_shape(), &lse_shape)?;
     if problem.is_empty() || problem.seq_kv == 0 {
         return Err(FlashError::Shape {
             arg: "key",
@@ -132,6 +128,23 @@ pub fn backward_into(
         });
     }
     launch(client, saved, d_out, grads, &problem, None, path)
+}
+
+/// An error naming the argument unless `out` and `d_out` have `out_shape`, `lse` has
+/// `lse_shape` and the gradients the shapes of Q, K, V.
+fn check_shapes(
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    grads: &Gradients,
+    out_shape: &[usize],
+    lse_shape: &[usize],
+) -> Result<(), FlashError> {
+    expect_shape("out", saved.out, out_shape)?;
+    expect_shape("d_out", d_out, out_shape)?;
+    expect_shape("lse", saved.lse, lse_shape)?;
+    expect_shape("dq", &grads.dq, &saved.q.shape)?;
+    expect_shape("dk", &grads.dk, &saved.k.shape)?;
+    expect_shape("dv", &grads.dv, &saved.v.shape)
 }
 
 /// The backward pass of a packed batch ([`crate::forward::forward_packed`]): `saved` holds
@@ -167,10 +180,11 @@ pub fn backward_packed(
         dk: empty(shapes[1]),
         dv: empty(shapes[2]),
     };
-    let sequences = [sequences_q, sequences_kv];
-    backward_packed_into(
-        client, saved, d_out, &grads, sequences, dtype, options, path,
-    )?;
+    let out_shape = [saved.q.shape[0], problem.heads_q, problem.dim_v];
+    let lse_shape = [problem.heads_q, saved.q.shape[0]];
+    check_shapes(saved, d_out, &grads, &out_shape, &lse_shape)?;
+    let sequences = (sequences_q, sequences_kv);
+    launch_packed(client, saved, d_out, &grads, &problem, sequences, path)?;
     Ok(grads)
 }
 
@@ -186,15 +200,11 @@ pub fn backward_packed_into(
     options: AttentionOptions,
     path: KernelPath,
 ) -> Result<(), FlashError> {
-    let Saved { q, k, v, out, lse } = saved;
+    let Saved { q, k, v, .. } = saved;
     let problem = packed_problem([q, k, v], sequences_q, sequences_kv, dtype, options)?;
     let out_shape = [q.shape[0], problem.heads_q, problem.dim_v];
-    expect_shape("out", out, &out_shape)?;
-    expect_shape("d_out", d_out, &out_shape)?;
-    expect_shape("lse", lse, &[problem.heads_q, q.shape[0]])?;
-    expect_shape("dq", &grads.dq, &q.shape)?;
-    expect_shape("dk", &grads.dk, &k.shape)?;
-    expect_shape("dv", &grads.dv, &v.shape)?;
+    let lse_shape = [problem.heads_q, q.shape[0]];
+    check_shapes(saved, d_out, grads, &out_shape, &lse_shape)?;
     if problem.is_empty() || problem.seq_kv == 0 {
         return Err(FlashError::Shape {
             arg: "key",
@@ -202,6 +212,21 @@ pub fn backward_packed_into(
             expected: "backward_packed_into needs a query and a key in some sequence".into(),
         });
     }
+    let sequences = (sequences_q, sequences_kv);
+    launch_packed(client, saved, d_out, grads, &problem, sequences, path)
+}
+
+/// [`launch`] on the kernels' `[1, heads, total, dim]` views of a packed batch's tensors.
+fn launch_packed(
+    client: &Client,
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    grads: &Gradients,
+    problem: &AttentionProblem,
+    sequences: (&PackedSequences, &PackedSequences),
+    path: KernelPath,
+) -> Result<(), FlashError> {
+    let Saved { q, k, v, out, lse } = saved;
     let view = |t: &DeviceTensor| batch_view(t);
     let views = Gradients {
         dq: view(&grads.dq),
@@ -220,8 +245,8 @@ pub fn backward_packed_into(
         saved,
         &view(d_out),
         &views,
-        &problem,
-        Some((sequences_q, sequences_kv)),
+        problem,
+        Some(sequences),
         path,
     )
 }

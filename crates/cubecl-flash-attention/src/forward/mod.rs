@@ -95,17 +95,8 @@ pub fn forward_packed(
         dtype.size(),
     );
     let lse = DeviceTensor::empty(client, &[problem.heads_q, total_q], 4);
-    let sequences = [sequences_q, sequences_kv];
-    forward_packed_into(
-        client,
-        [q, k, v],
-        &out,
-        &lse,
-        sequences,
-        dtype,
-        options,
-        path,
-    )?;
+    let sequences = (sequences_q, sequences_kv);
+    launch_packed(client, [q, k, v], &out, &lse, &problem, sequences, path)?;
     Ok(ForwardOutput { out, lse, problem })
 }
 
@@ -126,13 +117,27 @@ pub fn forward_packed_into(
     let total_q = sequences_q.total();
     expect_shape("out", out, &[total_q, problem.heads_q, problem.dim_v])?;
     expect_shape("lse", lse, &[problem.heads_q, total_q])?;
+    let sequences = (sequences_q, sequences_kv);
+    launch_packed(client, [q, k, v], out, lse, &problem, sequences, path)
+}
+
+/// [`launch`] on the kernels' `[1, heads, total, dim]` views of a packed batch's tensors.
+fn launch_packed(
+    client: &Client,
+    [q, k, v]: [&DeviceTensor; 3],
+    out: &DeviceTensor,
+    lse: &DeviceTensor,
+    problem: &AttentionProblem,
+    sequences: (&PackedSequences, &PackedSequences),
+    path: KernelPath,
+) -> Result<(), FlashError> {
     launch(
         client,
         [&batch_view(q), &batch_view(k), &batch_view(v)],
         &batch_view(out),
         &batch_view(lse),
-        &problem,
-        Some((sequences_q, sequences_kv)),
+        problem,
+        Some(sequences),
         path,
     )
 }
