@@ -501,6 +501,18 @@ fn decode_matches_the_oracle() {
             page_size: Some(256),
             ..serving(2, 2, 1, 1, 256, 32)
         },
+        // MQA 8:1 with 3 new tokens, causal: 24 packed rows, on tensor cores a full tile
+        // and a partial one.
+        Serving {
+            causal: true,
+            ..serving(3, 8, 1, 3, 70, 128)
+        },
+        // d = 256, pages of 16, softcap.
+        Serving {
+            page_size: Some(16),
+            softcap: Some(6.0),
+            ..serving(3, 4, 2, 1, 45, 256)
+        },
     ];
     for (n, s) in problems.iter().enumerate() {
         let dtypes = common::dtypes(&client);
@@ -526,34 +538,45 @@ fn paged_and_contiguous_caches_give_the_same_bits() {
         causal: true,
         ..serving(3, 4, 2, 2, 45, 64)
     };
-    let dtype = FloatDtype::F32;
     let lengths = edge_lengths(&contiguous, &mut rng);
+    let dtypes = common::dtypes(&client);
+    for dtype in [FloatDtype::F32, dtypes[dtypes.len() - 1]] {
+        same_bits_paged_and_contiguous(&client, &contiguous, dtype, &lengths, seed);
+    }
+}
+
+/// [`paged_and_contiguous_caches_give_the_same_bits`] in one dtype.
+fn same_bits_paged_and_contiguous(
+    client: &Client,
+    contiguous: &Serving,
+    dtype: FloatDtype,
+    lengths: &[usize],
+    seed: u64,
+) {
     let mut outputs = Vec::new();
     for page_size in [None, Some(1), Some(3), Some(16)] {
         let s = Serving {
             page_size,
-            ..contiguous
+            ..*contiguous
         };
-        let d = data(&s, dtype, lengths.clone(), &mut StdRng::seed_from_u64(seed));
-        let (result, _) = run(
-            &client,
+        let d = data(
             &s,
-            &d,
             dtype,
-            Splits::Exactly(2),
-            Lengths::ReadBack,
+            lengths.to_vec(),
+            &mut StdRng::seed_from_u64(seed),
         );
+        let (result, _) = run(client, &s, &d, dtype, Splits::Exactly(2), Lengths::ReadBack);
         let result = result.unwrap_or_else(|e| panic!("decode: {e} — seed {seed}"));
         outputs.push((
             page_size,
-            download(&client, &result.out, dtype),
-            download(&client, &result.lse, FloatDtype::F32),
+            download(client, &result.out, dtype),
+            download(client, &result.lse, FloatDtype::F32),
         ));
     }
     for (page_size, out, lse) in &outputs[1..] {
         assert!(
             same(out, &outputs[0].1) && same(lse, &outputs[0].2),
-            "pages of {page_size:?} differ from the contiguous cache — seed {seed}"
+            "{dtype:?}: pages of {page_size:?} differ from the contiguous cache — seed {seed}"
         );
     }
 }

@@ -34,6 +34,8 @@ use crate::decode::{
     lanes::flash_decode_lanes,
     lanes_config,
     merge::{merge_by_lse, merge_units},
+    mma::flash_decode_mma,
+    mma_decode_config,
 };
 use crate::forward::{
     flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
@@ -560,6 +562,46 @@ fn kernels(
                     (),
                     (),
                     c.vector,
+                    c,
+                    rotary_variant(paged),
+                    elem,
+                )) as Box<dyn CubeKernel>),
+            ));
+        }
+        for (name, paged, split) in [
+            ("decode_mma", false, false),
+            ("decode_mma_paged_split", true, true),
+        ] {
+            let Some(c) = mma_decode_config(&decode_problem, limits, paged, split) else {
+                continue;
+            };
+            kernels.push((
+                name,
+                Ok(Box::new(flash_decode_mma::FlashDecodeMma::new(
+                    settings(c.units()),
+                    props.clone(),
+                    tprops.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    row_layout(),
+                    row_layout(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    PAGE_SIZE,
+                    (),
+                    (),
+                    (),
+                    (),
+                    (),
                     c,
                     rotary_variant(paged),
                     elem,

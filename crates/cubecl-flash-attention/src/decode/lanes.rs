@@ -20,12 +20,13 @@
 //! count divides the plane, and caches readable by 16-byte loads; [`super::kernel`] takes
 //! every other case.
 
-use cubecl::prelude::barrier::{Barrier, copy_async};
+use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 use cubecl::std::FastDivmod;
 
 use super::cache::cache_slot;
-use super::task::DecodeTask;
+use super::stages::{StageBarriers, step_count};
+use super::task::{DecodeTask, write_merged};
 use crate::rotary::RotaryConfig;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability, row_reduce_sum};
@@ -231,9 +232,6 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     // Merge the slots: each row's maximum over the slots rescales their sums and outputs.
     let mut slot_state = Shared::<[f32]>::new_slice(comptime!(2 * slots * rows));
     let mut slot_out = Shared::<[f32]>::new_slice(comptime!(slots * rows * config.dim));
-    let mut row_top = Shared::<[f32]>::new_slice(rows);
-    let mut row_factor = Shared::<[f32]>::new_slice(rows);
-    let mut row_lse = Shared::<[f32]>::new_slice(rows);
     #[unroll]
     for r in 0..own {
         let row = slot * rows + first + r;
@@ -246,42 +244,21 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
             slot_state[2 * row + 1] = row_sum[r];
         }
     }
-    sync_cube();
-    let own_row = UNIT_POS as usize;
-    if own_row < rows {
-        let mut m = f32::new(MASKED);
-        for s in 0..slots {
-            m = max(m, slot_state[2 * (s * rows + own_row)]);
-        }
-        let mut merged = RunningState { m, l: 0.0 };
-        for s in 0..slots {
-            let at = 2 * (s * rows + own_row);
-            merged.l += slot_state[at + 1] * (slot_state[at] - m).exp();
-        }
-        row_top[own_row] = m;
-        row_factor[own_row] = merged.normalizer();
-        row_lse[own_row] = merged.lse(neg_inf);
-    }
-    sync_cube();
-    let units = comptime!(config.units());
-    let dim = config.dim;
-    for n in 0..comptime!((rows * config.dim).div_ceil(units)) {
-        let idx = n * units + UNIT_POS as usize;
-        let r = idx / dim;
-        if idx < rows * dim && task.has_row(r) {
-            let c = idx % dim;
-            let top = row_top[r];
-            let mut o = 0.0f32;
-            for s in 0..slots {
-                let weight = (slot_state[2 * (s * rows + r)] - top).exp();
-                o += weight * slot_out[(s * rows + r) * dim + c];
-            }
-            task.write_output(out, partial_out, r, c, o * row_factor[r], config.split);
-        }
-    }
-    if own_row < rows && task.has_row(own_row) {
-        task.write_lse(lse, partial_lse, own_row, row_lse[own_row], config.split);
-    }
+    write_merged(
+        &task,
+        &slot_state,
+        &slot_out,
+        out,
+        lse,
+        partial_out,
+        partial_lse,
+        neg_inf,
+        slots,
+        rows,
+        config.dim,
+        comptime!(config.units()),
+        config.split,
+    );
 }
 
 /// Where a lane works: its key slot, the first of its packed rows, and which vector of a
@@ -291,13 +268,6 @@ pub struct Lane {
     pub slot: usize,
     pub first: usize,
     pub chunk: usize,
-}
-
-/// The number of steps of `step` keys of the cube's split.
-#[cube]
-fn step_count(task: &DecodeTask, #[comptime] step: usize) -> i32 {
-    let step = i32::cast_from(step);
-    (max(task.end - task.begin, 0) + step - 1) / step
 }
 
 /// The main loop, K and V loaded into registers: the next step's loads are issued before
@@ -409,11 +379,7 @@ fn stream_through_shared<F: Float, N: Size>(
     let stages = config.stages;
     let mut k_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(stages * stage_len));
     let mut v_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(stages * stage_len));
-    let landed = StageBarriers {
-        stage_0: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
-        stage_1: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
-        stage_2: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
-    };
+    let landed = StageBarriers::new();
     let mut keys = Array::<Vector<F, N>>::new(unroll);
     let mut values = Array::<Vector<F, N>>::new(unroll);
     #[unroll]
@@ -475,39 +441,6 @@ fn stream_through_shared<F: Float, N: Size>(
             task, lane, k0, &keys, &values, q_slice, acc, row_max, row_sum, scores, scale, softcap,
             config,
         );
-    }
-}
-
-/// The barriers that track the copies into each stage (up to 3).
-#[derive(CubeType)]
-struct StageBarriers {
-    stage_0: Shared<Barrier>,
-    stage_1: Shared<Barrier>,
-    stage_2: Shared<Barrier>,
-}
-
-#[cube]
-impl StageBarriers {
-    /// Tracks the copies this unit has issued into stage `stage`.
-    fn commit(&self, stage: usize, #[comptime] stages: usize) {
-        if stage == 0 {
-            self.stage_0.commit_copy_async();
-        } else if stage == 1 || comptime!(stages == 2) {
-            self.stage_1.commit_copy_async();
-        } else {
-            self.stage_2.commit_copy_async();
-        }
-    }
-
-    /// Waits until stage `stage`'s copies have landed and every unit has arrived.
-    fn wait(&self, stage: usize, #[comptime] stages: usize) {
-        if stage == 0 {
-            self.stage_0.arrive_and_wait();
-        } else if stage == 1 || comptime!(stages == 2) {
-            self.stage_1.arrive_and_wait();
-        } else {
-            self.stage_2.arrive_and_wait();
-        }
     }
 }
 

@@ -15,12 +15,14 @@ pub mod cache;
 pub mod kernel;
 pub mod lanes;
 pub mod merge;
+pub mod mma;
 pub mod split;
+pub mod stages;
 pub mod task;
 
 use cubecl::prelude::*;
 
-use crate::config::{DeviceLimits, portable_columns};
+use crate::config::{DeviceLimits, FRAGMENT, portable_columns};
 use crate::error::FlashError;
 use crate::launch::{DeviceTensor, check_dtype, readable_by_16_byte_copies, softcap_arg};
 use crate::loop_budget;
@@ -28,6 +30,7 @@ use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
 pub use kernel::DecodeConfig;
 pub use lanes::LanesConfig;
+pub use mma::MmaDecodeConfig;
 
 use crate::rotary::{Rotary, RotaryConfig};
 pub use split::{SplitInputs, choose_splits};
@@ -481,6 +484,58 @@ pub fn decode_config(
         })
 }
 
+/// The tiles of [`mma::flash_decode_mma`] for `problem` on this device, or `None` where that
+/// kernel does not apply: no register-level tensor-core products for the dtype (CUDA sm_80+,
+/// f16 and bf16), `d_qk ≠ d_v`, or a head dim that is not a multiple of 16 up to 256 (the
+/// caches must also take 16-byte copies, which [`decode`] checks).
+/// `FLASH_DECODE_KERNEL=lanes` or `staged` takes the other kernels and
+/// `FLASH_DECODE_MMA=planes,block,stages` sets the tiles (tuning).
+pub fn mma_decode_config(
+    problem: &AttentionProblem,
+    limits: &DeviceLimits,
+    paged: bool,
+    split: bool,
+) -> Option<MmaDecodeConfig> {
+    const MAX_DIM: usize = 256;
+    if matches!(
+        std::env::var("FLASH_DECODE_KERNEL").as_deref(),
+        Ok("lanes" | "staged")
+    ) {
+        return None;
+    }
+    let dim = problem.dim_qk;
+    let applies = limits.has_register_mma(problem.dtype)
+        && problem.dim_v == dim
+        && dim.is_multiple_of(FRAGMENT)
+        && dim <= MAX_DIM;
+    if !applies {
+        return None;
+    }
+    // Defaults (H200 A/B runs): 4 planes of 16 keys a step, 2 stages.
+    let (mut planes, mut block, mut stages) = (4, 16, 2);
+    let tiles: Option<Vec<usize>> = std::env::var("FLASH_DECODE_MMA")
+        .ok()
+        .and_then(|v| v.split(',').map(|x| x.parse().ok()).collect());
+    if let Some([p, b, s]) = tiles.as_deref() {
+        (planes, block, stages) = (*p, *b, *s);
+    }
+    let packed = problem.group_size() * problem.seq_q;
+    let config = MmaDecodeConfig {
+        rows: packed.next_power_of_two().min(MmaDecodeConfig::TILE_ROWS),
+        dim,
+        planes: planes.max(1),
+        block: block.max(FRAGMENT) / FRAGMENT * FRAGMENT,
+        stages: stages.clamp(2, 3),
+        masked: problem.options.mask.is_masked(),
+        softcap: problem.options.softcap.is_some(),
+        paged,
+        split,
+    };
+    let fits = config.units() <= limits.max_units_per_cube
+        && config.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory;
+    fits.then_some(config)
+}
+
 /// The tiles of [`lanes::flash_decode_lanes`] for `problem` on this device, or `None` where
 /// that kernel does not apply: no plane operations, `d_qk ≠ d_v`, or a head dim that is not
 /// whole 16-byte vectors dividing a plane (the caches must also be readable by 16-byte
@@ -635,8 +690,12 @@ pub fn decode(
     let vector_loads = [&k, &v]
         .iter()
         .all(|t| readable_by_16_byte_copies(t, dtype.size()));
-    let kernel = match lanes_config(&problem, &limits, paged, false) {
-        Some(config) if vector_loads => Kernel::Lanes(config),
+    let kernel = match (
+        mma_decode_config(&problem, &limits, paged, false),
+        lanes_config(&problem, &limits, paged, false),
+    ) {
+        (Some(config), _) if vector_loads => Kernel::Mma(config),
+        (_, Some(config)) if vector_loads => Kernel::Lanes(config),
         _ => Kernel::Staged(decode_config(&problem, &limits, paged, false)?),
     };
     let packed = problem.group_size() * problem.seq_q;
@@ -654,16 +713,17 @@ pub fn decode(
             cubes,
             multiprocessors: limits.multiprocessors,
             key_blocks,
+            cubes_per_multiprocessor: kernel.resident_cubes(&limits, dtype),
             max_blocks_per_split: match &kernel {
                 Kernel::Staged(config) => loop_budget::decode_max_blocks(config, &limits),
-                Kernel::Lanes(_) => None,
+                Kernel::Lanes(_) | Kernel::Mma(_) => None,
             },
         }),
     };
     let kernel = kernel.split(splits > 1);
     let vector = match kernel {
         Kernel::Lanes(config) => config.vector,
-        Kernel::Staged(_) => 1,
+        Kernel::Staged(_) | Kernel::Mma(_) => 1,
     };
     let (k_rows, v_rows) = (
         k.vector_row_layout("k_cache", vector)?,
@@ -810,6 +870,37 @@ pub fn decode(
                 dtype.elem_type(),
             );
         },
+        Kernel::Mma(config) => unsafe {
+            mma::flash_decode_mma::launch_unchecked(
+                client,
+                count,
+                CubeDim::new_1d(config.units() as u32),
+                q.arg(),
+                k.arg(),
+                v.arg(),
+                k_rows,
+                v_rows,
+                inputs.cache_seqlens.arg(),
+                table.arg(),
+                table_row,
+                out.arg(),
+                lse.arg(),
+                partial_out.arg(),
+                partial_lse.arg(),
+                rotary_cos.arg(),
+                rotary_sin.arg(),
+                s_new as u32,
+                page_size,
+                problem.scale(),
+                softcap_arg(&problem),
+                mask.0,
+                mask.1,
+                f32::NEG_INFINITY,
+                config,
+                rotary,
+                dtype.elem_type(),
+            );
+        },
     }
     if kernel.is_split() {
         let merge_units = merge::merge_units(problem.dim_v);
@@ -840,6 +931,8 @@ enum Kernel {
     Lanes(LanesConfig),
     /// [`kernel::flash_decode`], everywhere else.
     Staged(DecodeConfig),
+    /// [`mma::flash_decode_mma`], on CUDA sm_80+ in f16 and bf16.
+    Mma(MmaDecodeConfig),
 }
 
 impl Kernel {
@@ -848,6 +941,7 @@ impl Kernel {
         match self {
             Self::Lanes(c) => c.rows,
             Self::Staged(c) => c.rows,
+            Self::Mma(_) => MmaDecodeConfig::TILE_ROWS,
         }
     }
 
@@ -856,6 +950,7 @@ impl Kernel {
         match self {
             Self::Lanes(c) => c.step(),
             Self::Staged(c) => c.block_kv,
+            Self::Mma(c) => c.step(),
         }
     }
 
@@ -863,6 +958,7 @@ impl Kernel {
         match self {
             Self::Lanes(c) => Self::Lanes(LanesConfig { split, ..c }),
             Self::Staged(c) => Self::Staged(DecodeConfig { split, ..c }),
+            Self::Mma(c) => Self::Mma(MmaDecodeConfig { split, ..c }),
         }
     }
 
@@ -870,6 +966,24 @@ impl Kernel {
         match self {
             Self::Lanes(c) => c.split,
             Self::Staged(c) => c.split,
+            Self::Mma(c) => c.split,
+        }
+    }
+
+    /// Cubes a multiprocessor holds at once, which the split count fills: the tensor-core
+    /// kernel's, by its shared memory (one wave of splits, each as long as it can be); the
+    /// others', [`split::CUBES_PER_MULTIPROCESSOR`]. `FLASH_DECODE_RESIDENT=n` sets it (tuning).
+    fn resident_cubes(&self, limits: &DeviceLimits, dtype: FloatDtype) -> usize {
+        if let Some(n) = std::env::var("FLASH_DECODE_RESIDENT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            return n;
+        }
+        match self {
+            Self::Mma(c) => (limits.max_shared_memory / c.shared_bytes(dtype.size()))
+                .clamp(1, split::CUBES_PER_MULTIPROCESSOR),
+            _ => split::CUBES_PER_MULTIPROCESSOR,
         }
     }
 }

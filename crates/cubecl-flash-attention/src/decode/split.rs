@@ -5,8 +5,9 @@
 //! each key range over several cubes fills the device; every split costs a partial output
 //! written and read again by the merge, so a split should still read several key blocks.
 
-/// Cubes per multiprocessor the splits aim for: a memory-bound kernel wants several in
-/// flight per multiprocessor to hide the latency of its loads.
+/// Cubes per multiprocessor the splits aim for where a kernel does not say how many it
+/// holds: a memory-bound kernel wants several in flight per multiprocessor to hide the
+/// latency of its loads.
 pub const CUBES_PER_MULTIPROCESSOR: usize = 4;
 /// Fewest key blocks a split reads (when the device is not to be filled otherwise).
 pub const MIN_BLOCKS_PER_SPLIT: usize = 4;
@@ -20,6 +21,9 @@ pub struct SplitInputs {
     pub cubes: usize,
     /// Multiprocessors (SMs, CUs) of the device.
     pub multiprocessors: usize,
+    /// Cubes of the kernel one multiprocessor runs at once (by its shared memory, say):
+    /// the splits aim for that many per multiprocessor.
+    pub cubes_per_multiprocessor: usize,
     /// Key blocks of the longest sequence.
     pub key_blocks: usize,
     /// Most key blocks one cube may read, where the device limits the loop iterations of a
@@ -34,10 +38,11 @@ pub fn choose_splits(inputs: SplitInputs) -> usize {
     let SplitInputs {
         cubes,
         multiprocessors,
+        cubes_per_multiprocessor,
         key_blocks,
         max_blocks_per_split,
     } = inputs;
-    let target = CUBES_PER_MULTIPROCESSOR * multiprocessors.max(1);
+    let target = cubes_per_multiprocessor.max(1) * multiprocessors.max(1);
     let to_fill = target.div_ceil(cubes.max(1));
     let by_length = key_blocks / MIN_BLOCKS_PER_SPLIT;
     let mut splits = to_fill.min(by_length).min(MAX_SPLITS);
@@ -55,6 +60,7 @@ mod tests {
         choose_splits(SplitInputs {
             cubes,
             multiprocessors: 132,
+            cubes_per_multiprocessor: CUBES_PER_MULTIPROCESSOR,
             key_blocks,
             max_blocks_per_split: None,
         })
@@ -86,10 +92,24 @@ mod tests {
     }
 
     #[test]
+    fn splits_fill_the_cubes_a_multiprocessor_holds() {
+        // Batch 1, 8 K/V heads, a kernel two cubes of which fit a multiprocessor: one wave.
+        let s = choose_splits(SplitInputs {
+            cubes: 8,
+            multiprocessors: 132,
+            cubes_per_multiprocessor: 2,
+            key_blocks: 512,
+            max_blocks_per_split: None,
+        });
+        assert_eq!(s, 33);
+    }
+
+    #[test]
     fn the_loop_budget_takes_precedence() {
         let s = choose_splits(SplitInputs {
             cubes: 2048,
             multiprocessors: 16,
+            cubes_per_multiprocessor: CUBES_PER_MULTIPROCESSOR,
             key_blocks: 1000,
             max_blocks_per_split: Some(100),
         });
@@ -97,6 +117,7 @@ mod tests {
         let s = choose_splits(SplitInputs {
             cubes: 1,
             multiprocessors: 16,
+            cubes_per_multiprocessor: CUBES_PER_MULTIPROCESSOR,
             key_blocks: 1000,
             max_blocks_per_split: Some(3),
         });

@@ -10,6 +10,7 @@ use cubecl::prelude::*;
 
 use crate::mask::Mask;
 use crate::rotary::{RotaryConfig, rotated};
+use crate::softmax::{MASKED, RunningState};
 
 #[derive(CubeType, Clone, Copy)]
 pub struct DecodeTask {
@@ -180,5 +181,65 @@ impl DecodeTask {
             let at = self.batch * lse.stride(0) + head_q * lse.stride(1) + i * lse.stride(2);
             lse[at] = value;
         }
+    }
+}
+
+/// Merges the partial results of a cube's `slots` (key slots or planes, each over its own
+/// keys) and writes them: `slot_state` holds each slot's `(m, l)` per row (`2 · (slot · rows
+/// + r)`), `slot_out` its unnormalized output rows (`(slot · rows + r) · dim`). Each row's
+/// largest maximum rescales the slots' sums and outputs, as splits are merged.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn write_merged<F: Float>(
+    task: &DecodeTask,
+    slot_state: &Shared<[f32]>,
+    slot_out: &Shared<[f32]>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    partial_out: &mut Tensor<f32>,
+    partial_lse: &mut Tensor<f32>,
+    neg_inf: f32,
+    #[comptime] slots: usize,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] units: usize,
+    #[comptime] split: bool,
+) {
+    let mut row_top = Shared::<[f32]>::new_slice(rows);
+    let mut row_factor = Shared::<[f32]>::new_slice(rows);
+    let mut row_lse = Shared::<[f32]>::new_slice(rows);
+    sync_cube();
+    let own_row = UNIT_POS as usize;
+    if own_row < rows {
+        let mut m = f32::new(MASKED);
+        for s in 0..slots {
+            m = max(m, slot_state[2 * (s * rows + own_row)]);
+        }
+        let mut merged = RunningState { m, l: 0.0 };
+        for s in 0..slots {
+            let at = 2 * (s * rows + own_row);
+            merged.l += slot_state[at + 1] * (slot_state[at] - m).exp();
+        }
+        row_top[own_row] = m;
+        row_factor[own_row] = merged.normalizer();
+        row_lse[own_row] = merged.lse(neg_inf);
+    }
+    sync_cube();
+    for n in 0..comptime!((rows * dim).div_ceil(units)) {
+        let idx = n * units + UNIT_POS as usize;
+        let r = idx / dim;
+        if idx < rows * dim && task.has_row(r) {
+            let c = idx % dim;
+            let top = row_top[r];
+            let mut o = 0.0f32;
+            for s in 0..slots {
+                let weight = (slot_state[2 * (s * rows + r)] - top).exp();
+                o += weight * slot_out[(s * rows + r) * dim + c];
+            }
+            task.write_output(out, partial_out, r, c, o * row_factor[r], split);
+        }
+    }
+    if own_row < rows && task.has_row(own_row) {
+        task.write_lse(lse, partial_lse, own_row, row_lse[own_row], split);
     }
 }
