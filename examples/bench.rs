@@ -18,7 +18,10 @@
 //! sequences of length `s` concatenated, `[b·s, h, d]`) on the same tokens, to show what
 //! packing costs against the padded equal-length run (`ours`); `ours-bshd` runs the dense op
 //! on that same memory (`[b, s, h, d]` viewed through `swap_dims(1, 2)`), which separates
-//! the cost of the layout from that of the packing.
+//! the cost of the layout from that of the packing. With `--mixed` the `b` sequences take
+//! lengths drawn uniformly from `[s/8, s]` (a fixed seed): `ours-varlen` packs just their
+//! tokens, `ours` pads each to `s`, and FLOPs count the real lengths for both, so TFLOP/s
+//! compare the useful work done per second.
 //!
 //! Memory per call, from CubeCL's memory report: `held_extra_mib`, what the outputs hold
 //! after the call; `peak_extra_mib`, how far the device memory reserved by the call grew
@@ -35,6 +38,7 @@ use burn_flash_attention::{
     FlashAttentionOptions, PackedSequences, flash_attention, flash_attention_varlen,
 };
 use clap::Parser;
+use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -78,6 +82,9 @@ struct Args {
     /// Write the records as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Sequences of mixed lengths (see the module docs).
+    #[arg(long)]
+    mixed: bool,
 }
 
 #[derive(Serialize)]
@@ -93,6 +100,9 @@ struct Record {
     s_kv: usize,
     d: usize,
     causal: bool,
+    /// Tokens of the batch's sequences (without padding).
+    tokens: usize,
+    mixed: bool,
     ms: f64,
     tflops: f64,
     peak_extra_mib: Option<f64>,
@@ -263,8 +273,31 @@ fn main() {
             Tensor::<4>::random([b, heads, s, d], Distribution::Normal(0.0, 1.0), &dev).cast(dtype_)
         };
         let (q, k, v) = (make(h), make(h_kv), make(h_kv));
-        // The packed batch's `[b·s, heads, d]` tensors, seen as `[b, heads, s, d]` (a view).
+        let lengths: Vec<usize> = match args.mixed {
+            true => {
+                let mut rng = StdRng::seed_from_u64(0);
+                (0..b)
+                    .map(|_| rng.random_range(s.div_ceil(8)..=s))
+                    .collect()
+            }
+            false => vec![s; b],
+        };
+        let tokens: usize = lengths.iter().sum();
+        // The packed batch's `[total, heads, d]` tensors, seen as `[1, heads, total, d]`: the
+        // dense run's sequences concatenated, or fresh ones of the mixed lengths.
         let packed = |t: &Tensor<4>| {
+            let [_, heads, _, _] = t.dims();
+            match args.mixed {
+                false => t.clone().swap_dims(1, 2).reshape([1, tokens, heads, d]),
+                true => {
+                    Tensor::<4>::random([1, tokens, heads, d], Distribution::Normal(0.0, 1.0), &dev)
+                        .cast(dtype_)
+                }
+            }
+            .swap_dims(1, 2)
+        };
+        // The dense op on the packed memory, `[b, s, h, d]` seen as `[b, h, s, d]`.
+        let bshd = |t: &Tensor<4>| {
             let [_, heads, _, _] = t.dims();
             t.clone()
                 .swap_dims(1, 2)
@@ -272,8 +305,12 @@ fn main() {
                 .reshape([b, s, heads, d])
                 .swap_dims(1, 2)
         };
-        let sequences = PackedSequences::from_lengths(&vec![s; b], &dev);
-        let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+        let sequences = PackedSequences::from_lengths(&lengths, &dev);
+        let flops = lengths
+            .iter()
+            .map(|&n| 4.0 * (h * n * n * d) as f64)
+            .sum::<f64>()
+            / if causal { 2.0 } else { 1.0 };
         for imp in &args.impls {
             let ours = imp.starts_with("ours");
             if !ours && h_kv != h {
@@ -281,6 +318,9 @@ fn main() {
             }
             if imp == "materialized" && s > args.materialized_max_seq {
                 continue;
+            }
+            if args.mixed && !matches!(imp.as_str(), "ours" | "ours-varlen") {
+                continue; // the other runs have no mixed form
             }
             let opts = FlashAttentionOptions::default()
                 .with_causal(causal)
@@ -291,12 +331,13 @@ fn main() {
                 is_causal: causal,
             };
             let (q, k, v) = match imp.as_str() {
-                "ours-varlen" | "ours-bshd" => (packed(&q), packed(&k), packed(&v)),
+                "ours-varlen" => (packed(&q), packed(&k), packed(&v)),
+                "ours-bshd" => (bshd(&q), bshd(&k), bshd(&v)),
                 _ => (q.clone(), k.clone(), v.clone()),
             };
             let unpack = |t: Tensor<4>| {
                 let [_, heads, _, dim] = t.dims();
-                t.swap_dims(1, 2).reshape([b * s, heads, dim])
+                t.swap_dims(1, 2).reshape([tokens, heads, dim])
             };
             let forward = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>| match imp.as_str() {
                 "ours-varlen" => {
@@ -308,7 +349,7 @@ fn main() {
                         &sequences,
                         opts,
                     );
-                    o.reshape([b, s, h, d]).swap_dims(1, 2)
+                    o.reshape([1, tokens, h, d]).swap_dims(1, 2)
                 }
                 _ if ours => flash_attention(q, k, v, opts),
                 "burn" => attention(q, k, v, None, None, burn_opts),
@@ -362,6 +403,8 @@ fn main() {
                     s_kv: s,
                     d,
                     causal,
+                    tokens,
+                    mixed: args.mixed,
                     ms: m.seconds * 1e3,
                     tflops: factor * flops / m.seconds / 1e12,
                     peak_extra_mib: m.peak_extra_mib,
