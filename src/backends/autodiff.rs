@@ -15,18 +15,32 @@ use burn::backend::{
 use crate::ops::FlashAttentionOps;
 use crate::options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
 
+/// The fused backward of the dense op and of packed batches: one node for both, which
+/// differ only in what they pass the backward op besides the saved tensors.
 #[derive(Debug)]
-struct FlashAttentionBackward;
+struct FusedBackward;
 
-impl<B: Backend + FlashAttentionOps> Backward<B, 3> for FlashAttentionBackward {
-    /// Checkpointed Q, K, V; the forward's O and LSE; the options.
+/// What a [`FusedBackward`] node passes its backward op besides Q, K, V, O and the LSE.
+#[derive(Clone, Debug)]
+enum Layout<B: Backend> {
+    Dense(FlashAttentionOptions),
+    /// A packed batch: its sequences' offsets and the options.
+    Packed {
+        cu_seqlens_q: IntTensor<B>,
+        cu_seqlens_k: IntTensor<B>,
+        options: VarlenOptions,
+    },
+}
+
+impl<B: Backend + FlashAttentionOps> Backward<B, 3> for FusedBackward {
+    /// Checkpointed Q, K, V; the forward's O and LSE; the layout.
     type State = (
         NodeId,
         NodeId,
         NodeId,
         FloatTensor<B>,
         FloatTensor<B>,
-        FlashAttentionOptions,
+        Layout<B>,
     );
 
     fn backward(
@@ -37,11 +51,28 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 3> for FlashAttentionBackward {
     ) {
         let [node_q, node_k, node_v] = ops.parents;
         let d_o = grads.consume::<B>(&ops.node);
-        let (q_id, k_id, v_id, o, lse, options) = ops.state;
+        let (q_id, k_id, v_id, o, lse, layout) = ops.state;
         let q = checkpointer.retrieve_node_output(q_id);
         let k = checkpointer.retrieve_node_output(k_id);
         let v = checkpointer.retrieve_node_output(v_id);
-        let (dq, dk, dv) = B::flash_attention_bwd(q, k, v, o, lse, d_o, options);
+        let (dq, dk, dv) = match layout {
+            Layout::Dense(options) => B::flash_attention_bwd(q, k, v, o, lse, d_o, options),
+            Layout::Packed {
+                cu_seqlens_q,
+                cu_seqlens_k,
+                options,
+            } => B::flash_attention_varlen_bwd(
+                q,
+                k,
+                v,
+                o,
+                lse,
+                d_o,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                options,
+            ),
+        };
         for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad);
@@ -50,39 +81,33 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 3> for FlashAttentionBackward {
     }
 }
 
-#[derive(Debug)]
-struct VarlenBackward;
-
-impl<B: Backend + FlashAttentionOps> Backward<B, 3> for VarlenBackward {
-    /// Checkpointed Q, K, V; the forward's O and LSE; the sequences' offsets; the options.
-    type State = (
-        NodeId,
-        NodeId,
-        NodeId,
-        FloatTensor<B>,
-        FloatTensor<B>,
-        IntTensor<B>,
-        IntTensor<B>,
-        VarlenOptions,
-    );
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 3>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        let [node_q, node_k, node_v] = ops.parents;
-        let d_o = grads.consume::<B>(&ops.node);
-        let (q_id, k_id, v_id, o, lse, cu_q, cu_k, options) = ops.state;
-        let q = checkpointer.retrieve_node_output(q_id);
-        let k = checkpointer.retrieve_node_output(k_id);
-        let v = checkpointer.retrieve_node_output(v_id);
-        let (dq, dk, dv) = B::flash_attention_varlen_bwd(q, k, v, o, lse, d_o, cu_q, cu_k, options);
-        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, grad);
-            }
+/// Runs `forward` on the inner backend's tensors and, where Q, K or V is tracked, records a
+/// [`FusedBackward`] node that keeps Q, K, V (checkpointed), O, the LSE and `layout`.
+fn record_forward<B, C>(
+    [q, k, v]: [FloatTensor<Autodiff<B, C>>; 3],
+    layout: Layout<B>,
+    forward: impl FnOnce([FloatTensor<B>; 3]) -> (FloatTensor<B>, FloatTensor<B>),
+) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>)
+where
+    B: Backend + FlashAttentionOps,
+    C: CheckpointStrategy,
+{
+    match FusedBackward
+        .prepare::<C>([q.node(), k.node(), v.node()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let q_id = prep.checkpoint(&q);
+            let k_id = prep.checkpoint(&k);
+            let v_id = prep.checkpoint(&v);
+            let (o, lse) = forward([q.into_primitive(), k.into_primitive(), v.into_primitive()]);
+            let state = (q_id, k_id, v_id, o.clone(), lse.clone(), layout);
+            (prep.finish(state, o), Autodiff::<B, C>::from_inner(lse))
+        }
+        OpsKind::UnTracked(prep) => {
+            let (o, lse) = forward([q.into_primitive(), k.into_primitive(), v.into_primitive()]);
+            (prep.finish(o), Autodiff::<B, C>::from_inner(lse))
         }
     }
 }
@@ -96,47 +121,14 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         cu_seqlens_k: IntTensor<Self>,
         options: VarlenOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        match VarlenBackward
-            .prepare::<C>([q.node(), k.node(), v.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let q_id = prep.checkpoint(&q);
-                let k_id = prep.checkpoint(&k);
-                let v_id = prep.checkpoint(&v);
-                let (o, lse) = B::flash_attention_varlen_fwd(
-                    q.into_primitive(),
-                    k.into_primitive(),
-                    v.into_primitive(),
-                    cu_seqlens_q.clone(),
-                    cu_seqlens_k.clone(),
-                    options.clone(),
-                );
-                let state = (
-                    q_id,
-                    k_id,
-                    v_id,
-                    o.clone(),
-                    lse.clone(),
-                    cu_seqlens_q,
-                    cu_seqlens_k,
-                    options,
-                );
-                (prep.finish(state, o), Self::from_inner(lse))
-            }
-            OpsKind::UnTracked(prep) => {
-                let (o, lse) = B::flash_attention_varlen_fwd(
-                    q.into_primitive(),
-                    k.into_primitive(),
-                    v.into_primitive(),
-                    cu_seqlens_q,
-                    cu_seqlens_k,
-                    options,
-                );
-                (prep.finish(o), Self::from_inner(lse))
-            }
-        }
+        let layout = Layout::Packed {
+            cu_seqlens_q: cu_seqlens_q.clone(),
+            cu_seqlens_k: cu_seqlens_k.clone(),
+            options: options.clone(),
+        };
+        record_forward::<B, C>([q, k, v], layout, |[q, k, v]| {
+            B::flash_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+        })
     }
 
     /// Not differentiable itself (no double backward).
@@ -175,34 +167,9 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         v: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        match FlashAttentionBackward
-            .prepare::<C>([q.node(), k.node(), v.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let q_id = prep.checkpoint(&q);
-                let k_id = prep.checkpoint(&k);
-                let v_id = prep.checkpoint(&v);
-                let (o, lse) = B::flash_attention_fwd(
-                    q.into_primitive(),
-                    k.into_primitive(),
-                    v.into_primitive(),
-                    options,
-                );
-                let state = (q_id, k_id, v_id, o.clone(), lse.clone(), options);
-                (prep.finish(state, o), Self::from_inner(lse))
-            }
-            OpsKind::UnTracked(prep) => {
-                let (o, lse) = B::flash_attention_fwd(
-                    q.into_primitive(),
-                    k.into_primitive(),
-                    v.into_primitive(),
-                    options,
-                );
-                (prep.finish(o), Self::from_inner(lse))
-            }
-        }
+        record_forward::<B, C>([q, k, v], Layout::Dense(options), |[q, k, v]| {
+            B::flash_attention_fwd(q, k, v, options)
+        })
     }
 
     /// Not differentiable itself (no double backward).

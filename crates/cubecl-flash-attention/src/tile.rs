@@ -463,13 +463,12 @@ pub fn write_rows<F: Float>(
     #[comptime] stride: usize,
     #[comptime] units: usize,
 ) {
-    let seq = end;
     let base = batch * t.stride(0) + head * t.stride(1);
     let (row_stride, col_stride) = (t.stride(2), t.stride(3));
     for step in 0..(rows * dim).div_ceil(units) {
         let idx = step * units + UNIT_POS as usize;
         let r = idx / dim;
-        if idx < rows * dim && first + r < seq {
+        if idx < rows * dim && first + r < end {
             let c = idx % dim;
             t[base + (first + r) * row_stride + c * col_stride] =
                 F::cast_from(tile[r * stride + c]);
