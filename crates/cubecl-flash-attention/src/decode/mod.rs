@@ -488,7 +488,6 @@ pub fn decode_config(
 /// kernel does not apply: no register-level tensor-core products for the dtype (CUDA sm_80+,
 /// f16 and bf16), `d_qk ≠ d_v`, or a head dim that is not a multiple of 16 up to 256 (the
 /// caches must also take 16-byte copies, which [`decode`] checks).
-/// `FLASH_DECODE_KERNEL=lanes` or `staged` takes the other kernels and
 /// `FLASH_DECODE_MMA=planes,block,stages` sets the tiles (tuning).
 pub fn mma_decode_config(
     problem: &AttentionProblem,
@@ -497,12 +496,6 @@ pub fn mma_decode_config(
     split: bool,
 ) -> Option<MmaDecodeConfig> {
     const MAX_DIM: usize = 256;
-    if matches!(
-        std::env::var("FLASH_DECODE_KERNEL").as_deref(),
-        Ok("lanes" | "staged")
-    ) {
-        return None;
-    }
     let dim = problem.dim_qk;
     let applies = limits.has_register_mma(problem.dtype)
         && problem.dim_v == dim
@@ -690,10 +683,13 @@ pub fn decode(
     let vector_loads = [&k, &v]
         .iter()
         .all(|t| readable_by_16_byte_copies(t, dtype.size()));
-    let kernel = match (
-        mma_decode_config(&problem, &limits, paged, false),
-        lanes_config(&problem, &limits, paged, false),
-    ) {
+    // The tensor-core kernel is opt-in (`FLASH_DECODE_KERNEL=mma`) until it has been
+    // tested and measured on a GPU.
+    let mma = match std::env::var("FLASH_DECODE_KERNEL").as_deref() {
+        Ok("mma") => mma_decode_config(&problem, &limits, paged, false),
+        _ => None,
+    };
+    let kernel = match (mma, lanes_config(&problem, &limits, paged, false)) {
         (Some(config), _) if vector_loads => Kernel::Mma(config),
         (_, Some(config)) if vector_loads => Kernel::Lanes(config),
         _ => Kernel::Staged(decode_config(&problem, &limits, paged, false)?),
