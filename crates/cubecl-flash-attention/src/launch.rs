@@ -71,6 +71,16 @@ impl DeviceTensor {
         Ok(RowLayoutLaunch::new(batch, head, row, seq))
     }
 
+    /// Elements from the first to the last one the tensor addresses, inclusive.
+    pub(crate) fn span(&self) -> usize {
+        self.shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(&n, &s)| n.saturating_sub(1) * s)
+            .sum::<usize>()
+            + 1
+    }
+
     pub(crate) fn arg(&self) -> TensorArg {
         unsafe {
             TensorArg::from_raw_parts(

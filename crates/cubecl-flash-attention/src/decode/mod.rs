@@ -683,11 +683,14 @@ pub fn decode(
     let vector_loads = [&k, &v]
         .iter()
         .all(|t| readable_by_16_byte_copies(t, dtype.size()));
-    // The tensor-core kernel is opt-in (`FLASH_DECODE_KERNEL=mma`) until it has been
-    // tested and measured on a GPU.
+    // The tensor-core kernel reads the caches element by element: CubeCL's launch takes
+    // their lengths as 32-bit scalars, so caches past 2^32 elements go to the lanes
+    // kernel, which reads them in 16-byte vectors.
+    let element_addressable = [&k, &v].iter().all(|t| t.span() <= u32::MAX as usize);
     let mma = match std::env::var("FLASH_DECODE_KERNEL").as_deref() {
-        Ok("mma") => mma_decode_config(&problem, &limits, paged, false),
-        _ => None,
+        Ok("lanes" | "staged") => None,
+        _ if !element_addressable => None,
+        _ => mma_decode_config(&problem, &limits, paged, false),
     };
     let kernel = match (mma, lanes_config(&problem, &limits, paged, false)) {
         (Some(config), _) if vector_loads => Kernel::Mma(config),
