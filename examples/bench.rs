@@ -18,7 +18,8 @@
 //! sequences of length `s` concatenated, `[b·s, h, d]`) on the same tokens, to show what
 //! packing costs against the padded equal-length run (`ours`); `ours-bshd` runs the dense op
 //! on that same memory (`[b, s, h, d]` viewed through `swap_dims(1, 2)`), which separates
-//! the cost of the layout from that of the packing. With `--mixed` the `b` sequences take
+//! the cost of the layout from that of the packing. Each run's backward gets `dO` in its
+//! op's own layout (`[b·s, h, d]` for the packed batch). With `--mixed` the `b` sequences take
 //! lengths drawn uniformly from `[s/8, s]` (a fixed seed): `ours-varlen` packs just their
 //! tokens, `ours` pads each to `s`, and FLOPs count the real lengths for both, so TFLOP/s
 //! compare the useful work done per second.
@@ -349,7 +350,9 @@ fn main() {
                         &sequences,
                         opts,
                     );
-                    o.reshape([1, tokens, h, d]).swap_dims(1, 2)
+                    // `[1, total, h, d]`: the backward's `dO` arrives in the op's own
+                    // layout, as from a projection reading `[total, h · d]`.
+                    o.reshape([1, tokens, h, d])
                 }
                 _ if ours => flash_attention(q, k, v, opts),
                 "burn" => attention(q, k, v, None, None, burn_opts),

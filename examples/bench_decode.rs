@@ -6,7 +6,10 @@
 //! The cache holds whatever the allocator returns (timing does not depend on the values);
 //! the lengths are given as the host knows them (`Lengths::Known`), as a server would, so
 //! no call waits for a read back. Timing: median over batches of calls queued back to back
-//! of the time per call, after a warm-up.
+//! of the time per call, after a warm-up. With `--graph` the calls are captured once as a
+//! graph of 20 (CubeCL's graph capture: a CUDA graph), as a server's decode loop captures its
+//! step, and timed by replays: the device's time per call without the host's launch path
+//! (records `"graph": true`; `benches/torch_decode.py --graph` captures PyTorch's likewise).
 //!
 //!     cargo run --release --features cuda --example bench_decode -- --json decode.json
 
@@ -56,7 +59,13 @@ struct Args {
     /// model with RoPE does at every step (records named `ours rotary`).
     #[arg(long)]
     rotary: bool,
+    /// Time replays of the calls captured as a graph (see the module docs).
+    #[arg(long)]
+    graph: bool,
 }
+
+/// Calls a `--graph` capture holds.
+const GRAPH_CALLS: usize = 20;
 
 #[derive(Serialize)]
 struct Record {
@@ -69,6 +78,8 @@ struct Record {
     d: usize,
     page_size: usize,
     splits: usize,
+    /// Timed by graph replays (`--graph`).
+    graph: bool,
     ms: f64,
     /// Host time to queue one call (arguments, allocations, launches): where it reaches
     /// `ms`, the host, not the device, sets the pace.
@@ -187,8 +198,31 @@ fn main() {
                                 continue;
                             }
                         };
+                        // A batch of calls, each output dropped before the next call, as
+                        // the warm-up and the capture run them (the pool then serves the
+                        // capture from what the warm-up freed).
+                        let calls = |n: usize| {
+                            for _ in 0..n {
+                                drop(call());
+                            }
+                        };
+                        let graph = args.graph.then(|| {
+                            client
+                                .graph_prepare()
+                                .expect("a stream prepared for capture");
+                            calls(GRAPH_CALLS);
+                            client.start_capture().expect("capture started");
+                            calls(GRAPH_CALLS);
+                            client.stop_capture().expect("a captured graph")
+                        });
+                        let run = || match &graph {
+                            // SAFETY: the captured buffers (caches, queries, lengths, tables)
+                            // outlive the graph; only this thread uses them.
+                            Some(graph) => unsafe { graph.replay() }.expect("replay"),
+                            None => calls(GRAPH_CALLS),
+                        };
                         for _ in 0..3 {
-                            call();
+                            run();
                         }
                         sync();
                         let mut times = Vec::new();
@@ -197,14 +231,16 @@ fn main() {
                         while times.len() < 5
                             || (started.elapsed().as_secs_f64() < args.seconds && times.len() < 50)
                         {
-                            let n = 20;
+                            // Replays five at a time, so that the sync is spread thin.
+                            let runs = if args.graph { 5 } else { 1 };
+                            let calls = (runs * GRAPH_CALLS) as f64;
                             let t = Instant::now();
-                            for _ in 0..n {
-                                call();
+                            for _ in 0..runs {
+                                run();
                             }
-                            host_times.push(t.elapsed().as_secs_f64() * 1e3 / n as f64);
+                            host_times.push(t.elapsed().as_secs_f64() * 1e3 / calls);
                             sync();
-                            times.push(t.elapsed().as_secs_f64() * 1e3 / n as f64);
+                            times.push(t.elapsed().as_secs_f64() * 1e3 / calls);
                         }
                         times.sort_by(f64::total_cmp);
                         host_times.sort_by(f64::total_cmp);
@@ -222,6 +258,7 @@ fn main() {
                             d,
                             page_size: page,
                             splits: ran,
+                            graph: args.graph,
                             ms,
                             host_ms,
                             kv_gbps: kv_bytes as f64 / ms / 1e6,

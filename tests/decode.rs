@@ -767,6 +767,96 @@ fn appends_write_the_cache_in_place() {
     }
 }
 
+/// A decode step captured once as a graph (CubeCL's graph capture: one CUDA graph, or wgpu's
+/// recorded dispatches) replays for the steps after it, as a server's decode loop runs
+/// without paying the launch path per token: between replays the new queries, keys and
+/// values and the grown lengths are written into the captured buffers in place, and each
+/// replay appends at the new lengths and attends the longer caches, against the oracle.
+#[test]
+fn a_captured_decode_step_replays_for_later_steps() {
+    let client = common::client();
+    let (seed, mut rng) = common::rng();
+    let dtype = *common::dtypes(&client).last().expect("a float dtype");
+    let s = Serving {
+        causal: true,
+        ..serving(2, 8, 2, 1, 96, 64)
+    };
+    let mut d = data(&s, dtype, vec![7, 40], &mut rng);
+    let q = upload(&client, &d.q, &[s.batch, s.heads_q, s.s_q, s.dim_qk], dtype);
+    let (k, v, _) = upload_cache(&client, &s, &d, dtype);
+    let new_shape = [s.batch, s.heads_kv, s.s_new(), s.dim_qk];
+    let new_k = upload(&client, &d.new_k, &new_shape, dtype);
+    let new_v = upload(&client, &d.new_v, &new_shape, dtype);
+    let seqlens = lengths_upload(&client, &d.lengths);
+    // The lengths the host knows at capture: the split count is chosen from them once, and
+    // every later step stays within the capacity (the caller's to keep).
+    let captured_lengths = d.lengths.clone();
+    let step = || {
+        let inputs = DecodeInputs {
+            q: &q,
+            cache: KvCache {
+                k: &k,
+                v: &v,
+                block_table: None,
+            },
+            cache_seqlens: &seqlens,
+            new: Some((&new_k, &new_v)),
+            lengths: Lengths::Known(&captured_lengths),
+            rotary: None,
+        };
+        decode(&client, inputs, dtype, s.options(), Splits::Auto)
+    };
+    client
+        .graph_prepare()
+        .expect("a stream prepared for capture");
+    drop(step().expect("the warm-up step"));
+    client.start_capture().expect("capture started");
+    let captured = step();
+    let graph = client.stop_capture().expect("a captured graph");
+    let out = captured.expect("the captured step");
+
+    let write = |t: &DeviceTensor, bytes: Vec<u8>| {
+        client.write(&t.handle, cubecl::bytes::Bytes::from_bytes_vec(bytes));
+    };
+    for token in 0..3 {
+        if token > 0 {
+            // The next token: the lengths count the last append; fresh queries, keys and
+            // values in the captured buffers.
+            d.lengths.iter_mut().for_each(|l| *l += s.s_new());
+            d.q = common::randn(&mut rng, d.q.len(), dtype);
+            d.new_k = common::randn(&mut rng, d.new_k.len(), dtype);
+            d.new_v = common::randn(&mut rng, d.new_v.len(), dtype);
+            write(&q, common::to_bytes(&d.q, dtype));
+            write(&new_k, common::to_bytes(&d.new_k, dtype));
+            write(&new_v, common::to_bytes(&d.new_v, dtype));
+            let lengths = d.lengths.iter().flat_map(|&l| (l as i32).to_le_bytes());
+            write(&seqlens, lengths.collect());
+        }
+        // SAFETY: every buffer the graph was captured with is alive, and only this thread
+        // uses them, on the capture's stream.
+        unsafe { graph.replay() }.expect("replay");
+        let after = appended(&s, &d);
+        let got = download(&client, &out.out, dtype);
+        let lse = download(&client, &out.lse, FloatDtype::F32);
+        let len = |seq: usize| d.lengths[seq] + s.s_new();
+        let context = format!(
+            "token {token} of a captured step, {dtype:?}, lengths {:?}, seed {seed}",
+            d.lengths
+        );
+        check_sequences(
+            &s,
+            dtype,
+            &d.q,
+            |seq| positions(&s, &after.k, seq, len(seq), s.dim_qk),
+            |seq| positions(&s, &after.v, seq, len(seq), s.dim_v),
+            &got,
+            Some(&lse),
+            &context,
+        );
+        d.contents = after;
+    }
+}
+
 #[test]
 fn long_caches_are_split_within_the_loop_budget() {
     // On lavapipe one cube would pass the driver's loop budget over 20 000 keys

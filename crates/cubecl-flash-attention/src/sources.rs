@@ -351,12 +351,12 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
     let limits = DeviceLimits::from_properties(&props);
     let mut out: Vec<Result<KernelSource, String>> = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    // Packed batches change only how a cube finds its sequence: their forms are checked for
-    // one dtype and head dim with every option.
+    // Packed batches change only how a cube finds its sequence (and the registers that
+    // takes): their forms are checked for one dtype and head dim, without options and with
+    // every one.
     let variants = shipped_problems().into_iter().flat_map(|problem| {
-        let packed = problem.dtype == FloatDtype::BF16
-            && (problem.dim_qk, problem.dim_v) == (128, 128)
-            && problem.options.mask.causal;
+        let packed =
+            problem.dtype == FloatDtype::BF16 && (problem.dim_qk, problem.dim_v) == (128, 128);
         [Some((problem, false)), packed.then_some((problem, true))]
     });
     for (problem, packed) in variants.flatten() {
@@ -631,7 +631,7 @@ fn kernels(
             }
         }
         if !problem.options.mask.is_masked() {
-            let units = merge_units(problem.dim_v);
+            let units = merge_units(problem.dim_v, limits.max_units_per_cube);
             kernels.push((
                 "merge_by_lse",
                 Ok(Box::new(merge_by_lse::MergeByLse::new(

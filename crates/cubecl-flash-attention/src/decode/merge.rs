@@ -68,10 +68,25 @@ pub fn merge_by_lse<F: Float>(
         weights[unit] = w;
         sync_cube();
         let count = min(units, parts - first);
-        let mut j = group;
-        while j < count && group < groups {
-            o += weights[j] * partial_out[((first + j) * rows + row) * dim + c];
-            j += groups;
+        if group < groups {
+            // Part `first + j`'s value of column `c` is at `base + j · stride`.
+            let stride = rows * dim;
+            let base = (first * rows + row) * dim + c;
+            let mut j = group;
+            // Four parts a round, their loads in flight together.
+            while j + 3 * groups < count {
+                let a = partial_out[base + j * stride];
+                let b = partial_out[base + (j + groups) * stride];
+                let e = partial_out[base + (j + 2 * groups) * stride];
+                let f = partial_out[base + (j + 3 * groups) * stride];
+                o += weights[j] * a + weights[j + groups] * b;
+                o += weights[j + 2 * groups] * e + weights[j + 3 * groups] * f;
+                j += 4 * groups;
+            }
+            while j < count {
+                o += weights[j] * partial_out[base + j * stride];
+                j += groups;
+            }
         }
         first += units;
     }
@@ -132,7 +147,37 @@ fn reduce(
     scratch[0]
 }
 
-/// Units of a merge cube for rows of `dim` columns.
-pub fn merge_units(dim: usize) -> usize {
-    dim.next_power_of_two().max(128)
+/// Groups of units that share a row's parts, where the device's cubes hold them: a unit
+/// then adds a quarter of the parts, so the chain of loads it waits on is a quarter as long.
+pub const MERGE_GROUPS: usize = 4;
+
+/// Units of a merge cube for rows of `dim` columns, on a device of at most `max_units`
+/// units per cube: a power of two of at least 128 and `dim`, up to [`MERGE_GROUPS`] times
+/// `dim` where the device allows.
+pub fn merge_units(dim: usize, max_units: usize) -> usize {
+    let row = dim.next_power_of_two().max(128);
+    let mut units = row;
+    while units * 2 <= max_units && units * 2 <= dim.max(1) * MERGE_GROUPS {
+        units *= 2;
+    }
+    units
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_cubes_share_rows_among_groups_where_the_device_allows() {
+        // Four groups of a row's 128 columns on a GPU, two on a device of 256 units.
+        assert_eq!(merge_units(128, 1024), 512);
+        assert_eq!(merge_units(128, 256), 256);
+        assert_eq!(merge_units(64, 1024), 256);
+        assert_eq!(merge_units(256, 1024), 1024);
+        // Whole groups of an odd row: 96 columns, two groups in 256 units.
+        assert_eq!(merge_units(96, 1024), 256);
+        // Never fewer units than a row has columns, nor than 128.
+        assert_eq!(merge_units(256, 128), 256);
+        assert_eq!(merge_units(8, 1024), 128);
+    }
 }

@@ -19,6 +19,7 @@ pub mod mma;
 pub mod split;
 pub mod stages;
 pub mod task;
+mod tuning;
 
 use cubecl::prelude::*;
 
@@ -34,6 +35,7 @@ pub use mma::MmaDecodeConfig;
 
 use crate::rotary::{Rotary, RotaryConfig};
 pub use split::{SplitInputs, choose_splits};
+use tuning::tuning;
 
 /// A key/value cache.
 #[derive(Clone, Copy, Debug)]
@@ -418,10 +420,7 @@ pub fn decode_config(
     const SHARED_BYTES: usize = 48 * 1024;
     const PLANE_SHARED_BYTES: usize = 100 * 1024;
     // Tuning override, for A/B runs: `FLASH_DECODE_TILES=units,block_kv`.
-    let tiles: Option<(usize, usize)> = std::env::var("FLASH_DECODE_TILES").ok().and_then(|v| {
-        let (u, b) = v.split_once(',')?;
-        Some((u.parse().ok()?, b.parse().ok()?))
-    });
+    let tiles = tuning().tiles;
     let units = tiles
         .map_or(UNITS, |t| t.0)
         .min(limits.max_units_per_cube)
@@ -506,10 +505,7 @@ pub fn mma_decode_config(
     }
     // Defaults (H200 A/B runs): 4 planes of 16 keys a step, 2 stages.
     let (mut planes, mut block, mut stages) = (4, 16, 2);
-    let tiles: Option<Vec<usize>> = std::env::var("FLASH_DECODE_MMA")
-        .ok()
-        .and_then(|v| v.split(',').map(|x| x.parse().ok()).collect());
-    if let Some([p, b, s]) = tiles.as_deref() {
+    if let Some([p, b, s]) = tuning().mma.as_deref() {
         (planes, block, stages) = (*p, *b, *s);
     }
     let packed = problem.group_size() * problem.seq_q;
@@ -543,7 +539,7 @@ pub fn lanes_config(
 ) -> Option<LanesConfig> {
     const PLANES: usize = 4;
     const MAX_ROWS: usize = 8;
-    if std::env::var("FLASH_DECODE_KERNEL").as_deref() == Ok("staged") {
+    if tuning().kernel_is("staged") {
         return None;
     }
     let elem = problem.dtype.size();
@@ -561,9 +557,7 @@ pub fn lanes_config(
     let rows = (problem.group_size() * problem.seq_q)
         .next_power_of_two()
         .min(MAX_ROWS);
-    let tiles: Option<Vec<usize>> = std::env::var("FLASH_DECODE_LANES")
-        .ok()
-        .and_then(|v| v.split(',').map(|x| x.parse().ok()).collect());
+    let tiles = tuning().lanes.as_deref();
     let async_copies = match problem.dtype {
         FloatDtype::BF16 => limits.mma_sync_bf16,
         _ => limits.mma_sync_f16,
@@ -576,7 +570,7 @@ pub fn lanes_config(
         false => (PLANES, if rows <= 4 { 4 } else { 2 }, 1, 2),
     };
     let mut async_copies = async_copies;
-    if let Some(tiles) = tiles.as_deref() {
+    if let Some(tiles) = tiles {
         match *tiles {
             [p, u, g] => (planes, unroll, row_groups) = (p, u, g),
             [p, u, g, a, st] => {
@@ -687,8 +681,8 @@ pub fn decode(
     // their lengths as 32-bit scalars, so caches past 2^32 elements go to the lanes
     // kernel, which reads them in 16-byte vectors.
     let element_addressable = [&k, &v].iter().all(|t| t.span() <= u32::MAX as usize);
-    let mma = match std::env::var("FLASH_DECODE_KERNEL").as_deref() {
-        Ok("lanes" | "staged") => None,
+    let mma = match tuning().kernel.as_deref() {
+        Some("lanes" | "staged") => None,
         _ if !element_addressable => None,
         _ => mma_decode_config(&problem, &limits, paged, false),
     };
@@ -713,6 +707,7 @@ pub fn decode(
             multiprocessors: limits.multiprocessors,
             key_blocks,
             cubes_per_multiprocessor: kernel.resident_cubes(&limits, dtype),
+            min_blocks_per_split: tuning().min_blocks.unwrap_or(split::MIN_BLOCKS_PER_SPLIT),
             max_blocks_per_split: match &kernel {
                 Kernel::Staged(config) => loop_budget::decode_max_blocks(config, &limits),
                 Kernel::Lanes(_) | Kernel::Mma(_) => None,
@@ -902,7 +897,7 @@ pub fn decode(
         },
     }
     if kernel.is_split() {
-        let merge_units = merge::merge_units(problem.dim_v);
+        let merge_units = merge::merge_units(problem.dim_v, limits.max_units_per_cube);
         let x = rows.min(u16::MAX as usize);
         unsafe {
             merge::merge_by_lse::launch_unchecked(
@@ -973,10 +968,7 @@ impl Kernel {
     /// kernel's, by its shared memory (one wave of splits, each as long as it can be); the
     /// others', [`split::CUBES_PER_MULTIPROCESSOR`]. `FLASH_DECODE_RESIDENT=n` sets it (tuning).
     fn resident_cubes(&self, limits: &DeviceLimits, dtype: FloatDtype) -> usize {
-        if let Some(n) = std::env::var("FLASH_DECODE_RESIDENT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-        {
+        if let Some(n) = tuning().resident {
             return n;
         }
         match self {

@@ -24,6 +24,9 @@ pub struct SplitInputs {
     /// Cubes of the kernel one multiprocessor runs at once (by its shared memory, say):
     /// the splits aim for that many per multiprocessor.
     pub cubes_per_multiprocessor: usize,
+    /// Fewest key blocks a split reads where the device is full otherwise (the kernel's
+    /// steps; [`MIN_BLOCKS_PER_SPLIT`] by default).
+    pub min_blocks_per_split: usize,
     /// Key blocks of the longest sequence.
     pub key_blocks: usize,
     /// Most key blocks one cube may read, where the device limits the loop iterations of a
@@ -32,19 +35,20 @@ pub struct SplitInputs {
 }
 
 /// The split count: enough cubes to fill the device, each split reading at least
-/// [`MIN_BLOCKS_PER_SPLIT`] blocks, at most [`MAX_SPLITS`]; and at least what the loop
+/// `min_blocks_per_split` blocks, at most [`MAX_SPLITS`]; and at least what the loop
 /// budget needs. Never more splits than key blocks, never fewer than 1.
 pub fn choose_splits(inputs: SplitInputs) -> usize {
     let SplitInputs {
         cubes,
         multiprocessors,
         cubes_per_multiprocessor,
+        min_blocks_per_split,
         key_blocks,
         max_blocks_per_split,
     } = inputs;
     let target = cubes_per_multiprocessor.max(1) * multiprocessors.max(1);
     let to_fill = target.div_ceil(cubes.max(1));
-    let by_length = key_blocks / MIN_BLOCKS_PER_SPLIT;
+    let by_length = key_blocks / min_blocks_per_split.max(1);
     let mut splits = to_fill.min(by_length).min(MAX_SPLITS);
     if let Some(most) = max_blocks_per_split {
         splits = splits.max(key_blocks.div_ceil(most.max(1)));
@@ -61,6 +65,7 @@ mod tests {
             cubes,
             multiprocessors: 132,
             cubes_per_multiprocessor: CUBES_PER_MULTIPROCESSOR,
+            min_blocks_per_split: MIN_BLOCKS_PER_SPLIT,
             key_blocks,
             max_blocks_per_split: None,
         })
@@ -98,6 +103,7 @@ mod tests {
             cubes: 8,
             multiprocessors: 132,
             cubes_per_multiprocessor: 2,
+            min_blocks_per_split: MIN_BLOCKS_PER_SPLIT,
             key_blocks: 512,
             max_blocks_per_split: None,
         });
@@ -110,6 +116,7 @@ mod tests {
             cubes: 2048,
             multiprocessors: 16,
             cubes_per_multiprocessor: CUBES_PER_MULTIPROCESSOR,
+            min_blocks_per_split: MIN_BLOCKS_PER_SPLIT,
             key_blocks: 1000,
             max_blocks_per_split: Some(100),
         });
@@ -118,6 +125,7 @@ mod tests {
             cubes: 1,
             multiprocessors: 16,
             cubes_per_multiprocessor: CUBES_PER_MULTIPROCESSOR,
+            min_blocks_per_split: MIN_BLOCKS_PER_SPLIT,
             key_blocks: 1000,
             max_blocks_per_split: Some(3),
         });
