@@ -64,8 +64,8 @@ struct Args {
     graph: bool,
 }
 
-/// Calls a `--graph` capture holds.
-const GRAPH_CALLS: usize = 20;
+/// Calls per timed run: queued back to back, or captured as one graph (`--graph`).
+const CALLS: usize = 20;
 
 #[derive(Serialize)]
 struct Record {
@@ -210,16 +210,16 @@ fn main() {
                             client
                                 .graph_prepare()
                                 .expect("a stream prepared for capture");
-                            calls(GRAPH_CALLS);
+                            calls(CALLS);
                             client.start_capture().expect("capture started");
-                            calls(GRAPH_CALLS);
+                            calls(CALLS);
                             client.stop_capture().expect("a captured graph")
                         });
                         let run = || match &graph {
                             // SAFETY: the captured buffers (caches, queries, lengths, tables)
                             // outlive the graph; only this thread uses them.
                             Some(graph) => unsafe { graph.replay() }.expect("replay"),
-                            None => calls(GRAPH_CALLS),
+                            None => calls(CALLS),
                         };
                         for _ in 0..3 {
                             run();
@@ -233,14 +233,14 @@ fn main() {
                         {
                             // Replays five at a time, so that the sync is spread thin.
                             let runs = if args.graph { 5 } else { 1 };
-                            let calls = (runs * GRAPH_CALLS) as f64;
+                            let queued = (runs * CALLS) as f64;
                             let t = Instant::now();
                             for _ in 0..runs {
                                 run();
                             }
-                            host_times.push(t.elapsed().as_secs_f64() * 1e3 / calls);
+                            host_times.push(t.elapsed().as_secs_f64() * 1e3 / queued);
                             sync();
-                            times.push(t.elapsed().as_secs_f64() * 1e3 / calls);
+                            times.push(t.elapsed().as_secs_f64() * 1e3 / queued);
                         }
                         times.sort_by(f64::total_cmp);
                         host_times.sort_by(f64::total_cmp);

@@ -771,7 +771,9 @@ fn appends_write_the_cache_in_place() {
 /// recorded dispatches) replays for the steps after it, as a server's decode loop runs
 /// without paying the launch path per token: between replays the new queries, keys and
 /// values and the grown lengths are written into the captured buffers in place, and each
-/// replay appends at the new lengths and attends the longer caches, against the oracle.
+/// replay appends at the new lengths and attends the longer caches, against the oracle. The
+/// key range is split in three (cut in the kernel from the lengths on the device), so the
+/// replays also run the merge.
 #[test]
 fn a_captured_decode_step_replays_for_later_steps() {
     let client = common::client();
@@ -779,9 +781,9 @@ fn a_captured_decode_step_replays_for_later_steps() {
     let dtype = *common::dtypes(&client).last().expect("a float dtype");
     let s = Serving {
         causal: true,
-        ..serving(2, 8, 2, 1, 96, 64)
+        ..serving(2, 8, 2, 1, 300, 64)
     };
-    let mut d = data(&s, dtype, vec![7, 40], &mut rng);
+    let mut d = data(&s, dtype, vec![7, 200], &mut rng);
     let q = upload(&client, &d.q, &[s.batch, s.heads_q, s.s_q, s.dim_qk], dtype);
     let (k, v, _) = upload_cache(&client, &s, &d, dtype);
     let new_shape = [s.batch, s.heads_kv, s.s_new(), s.dim_qk];
@@ -804,7 +806,7 @@ fn a_captured_decode_step_replays_for_later_steps() {
             lengths: Lengths::Known(&captured_lengths),
             rotary: None,
         };
-        decode(&client, inputs, dtype, s.options(), Splits::Auto)
+        decode(&client, inputs, dtype, s.options(), Splits::Exactly(3))
     };
     client
         .graph_prepare()
@@ -814,6 +816,7 @@ fn a_captured_decode_step_replays_for_later_steps() {
     let captured = step();
     let graph = client.stop_capture().expect("a captured graph");
     let out = captured.expect("the captured step");
+    assert_eq!(out.splits, 3, "the captured step runs split");
 
     let write = |t: &DeviceTensor, bytes: Vec<u8>| {
         client.write(&t.handle, cubecl::bytes::Bytes::from_bytes_vec(bytes));

@@ -409,12 +409,16 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                         grad = 1.0 - t * t;
                     }
                     let col = stats + n * TILE_COLS + e;
-                    let mut lse = stats_tile[col] * LOG2_E;
-                    let mut delta = stats_tile[col + block_q];
-                    if comptime!(held_stats) {
-                        lse = lse_col[2 * n + e];
-                        delta = delta_col[2 * n + e];
-                    }
+                    let lse = if comptime!(held_stats) {
+                        lse_col[2 * n + e]
+                    } else {
+                        stats_tile[col] * LOG2_E
+                    };
+                    let delta = if comptime!(held_stats) {
+                        delta_col[2 * n + e]
+                    } else {
+                        stats_tile[col + block_q]
+                    };
                     p_pair.insert(e, exp2_approx(s - lse));
                     // (dPᵀ − D) · dS/d(q·k), times Pᵀ once the mask has been applied.
                     if comptime!(with_dk) {
