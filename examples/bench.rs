@@ -24,6 +24,13 @@
 //! tokens, `ours` pads each to `s`, and FLOPs count the real lengths for both, so TFLOP/s
 //! compare the useful work done per second.
 //!
+//! `--terms` adds terms to the scores of the runs of ours (the others do not take them):
+//! `alibi` (ALiBi slopes `2^(−8(h+1)/H)`), `relpos` (a trained relative-position table
+//! `[h, 2s − 1]` gathered into a `[1, h, s, s]` bias inside the timed call, as a user would,
+//! its gradient through the gather), `bias` (a fixed `[1, h, s, s]` bias), `window` (a
+//! sliding window of `--window` keys to the left, with FLOPs counted over the visible pairs
+//! only, as for any mask other than causal).
+//!
 //! Memory per call, from CubeCL's memory report: `held_extra_mib`, what the outputs hold
 //! after the call; `peak_extra_mib`, how far the device memory reserved by the call grew
 //! from a cleaned-up pool (an upper bound of the transient peak at the pool's page size).
@@ -34,9 +41,10 @@ use std::time::Instant;
 
 use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Device, Distribution, FloatDType, Tensor};
+use burn::tensor::{Device, Distribution, FloatDType, Int, Tensor, TensorData};
 use burn_flash_attention::{
-    FlashAttentionOptions, PackedSequences, flash_attention, flash_attention_varlen,
+    AttentionBias, FlashAttentionOptions, PackedSequences, flash_attention, flash_attention_biased,
+    flash_attention_varlen,
 };
 use clap::Parser;
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -86,6 +94,12 @@ struct Args {
     /// Sequences of mixed lengths (see the module docs).
     #[arg(long)]
     mixed: bool,
+    /// Terms on the scores (see the module docs): none, alibi, relpos, bias, window.
+    #[arg(long, default_value = "none")]
+    terms: String,
+    /// Keys to the left of the diagonal with `--terms window`.
+    #[arg(long, default_value_t = 1024)]
+    window: usize,
 }
 
 #[derive(Serialize)]
@@ -104,6 +118,9 @@ struct Record {
     /// Tokens of the batch's sequences (without padding).
     tokens: usize,
     mixed: bool,
+    /// `--terms`, when not `none`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    terms: Option<String>,
     ms: f64,
     tflops: f64,
     peak_extra_mib: Option<f64>,
@@ -307,11 +324,47 @@ fn main() {
                 .swap_dims(1, 2)
         };
         let sequences = PackedSequences::from_lengths(&lengths, &dev);
-        let flops = lengths
+        let mut flops = lengths
             .iter()
             .map(|&n| 4.0 * (h * n * n * d) as f64)
             .sum::<f64>()
             / if causal { 2.0 } else { 1.0 };
+        let window = (args.terms == "window").then_some(args.window);
+        if let Some(w) = window {
+            // The (query, key) pairs a left window of `w` (and causal, if set) leaves.
+            let pairs = |n: usize| -> usize {
+                (0..n)
+                    .map(|i| (i + 1).min(w + 1) + if causal { 0 } else { (n - 1 - i).min(n) })
+                    .sum()
+            };
+            flops = lengths
+                .iter()
+                .map(|&n| 4.0 * (h * d * pairs(n)) as f64)
+                .sum();
+        }
+        // The terms' tensors: ALiBi slopes, a relative-position table (trained) or a bias.
+        let slopes = Tensor::<2>::from_data(
+            TensorData::new(
+                (0..h)
+                    .map(|i| 2f32.powf(-8.0 * (i + 1) as f32 / h as f32))
+                    .collect::<Vec<_>>(),
+                [1, h],
+            ),
+            &dev,
+        );
+        let table =
+            Tensor::<2>::random([h, 2 * s - 1], Distribution::Normal(0.0, 1.0), &dev).cast(dtype_);
+        let offsets = Tensor::<1, Int>::from_data(
+            TensorData::new(
+                (0..s * s)
+                    .map(|n| (n / s + s - 1 - n % s) as i64)
+                    .collect::<Vec<_>>(),
+                [s * s],
+            ),
+            &dev,
+        );
+        let fixed_bias =
+            Tensor::<4>::random([1, h, s, s], Distribution::Normal(0.0, 1.0), &dev).cast(dtype_);
         for imp in &args.impls {
             let ours = imp.starts_with("ours");
             if !ours && h_kv != h {
@@ -325,7 +378,11 @@ fn main() {
             }
             let opts = FlashAttentionOptions::default()
                 .with_causal(causal)
+                .with_window(window, None)
                 .with_deterministic(imp == "ours-deterministic");
+            if args.terms != "none" && imp != "ours" {
+                continue; // the terms run on the dense op alone
+            }
             let burn_opts = AttentionModuleOptions {
                 scale: None,
                 softcap: None,
@@ -340,28 +397,48 @@ fn main() {
                 let [_, heads, _, dim] = t.dims();
                 t.swap_dims(1, 2).reshape([tokens, heads, dim])
             };
-            let forward = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>| match imp.as_str() {
-                "ours-varlen" => {
-                    let o = flash_attention_varlen(
-                        unpack(q),
-                        unpack(k),
-                        unpack(v),
-                        &sequences,
-                        &sequences,
-                        opts,
-                    );
-                    // `[1, total, h, d]`: the backward's `dO` arrives in the op's own
-                    // layout, as from a projection reading `[total, h · d]`.
-                    o.reshape([1, tokens, h, d])
-                }
-                _ if ours => flash_attention(q, k, v, opts),
-                "burn" => attention(q, k, v, None, None, burn_opts),
-                _ => attention_fallback(q, k, v, None, None, burn_opts),
-            };
+            let forward =
+                |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, trained_table: Option<Tensor<2>>| {
+                    match imp.as_str() {
+                        "ours-varlen" => {
+                            let o = flash_attention_varlen(
+                                unpack(q),
+                                unpack(k),
+                                unpack(v),
+                                &sequences,
+                                &sequences,
+                                opts,
+                            );
+                            // `[1, total, h, d]`: the backward's `dO` arrives in the op's own
+                            // layout, as from a projection reading `[total, h · d]`.
+                            o.reshape([1, tokens, h, d])
+                        }
+                        _ if ours => match args.terms.as_str() {
+                            "alibi" => {
+                                let terms = AttentionBias::new().with_alibi(slopes.clone());
+                                flash_attention_biased(q, k, v, terms, opts)
+                            }
+                            "relpos" => {
+                                // Under autodiff the table is the tracked one (see below).
+                                let table = trained_table.clone().unwrap_or_else(|| table.clone());
+                                let bias = table.select(1, offsets.clone()).reshape([1, h, s, s]);
+                                let terms = AttentionBias::new().with_bias(bias);
+                                flash_attention_biased(q, k, v, terms, opts)
+                            }
+                            "bias" => {
+                                let terms = AttentionBias::new().with_bias(fixed_bias.clone());
+                                flash_attention_biased(q, k, v, terms, opts)
+                            }
+                            _ => flash_attention(q, k, v, opts),
+                        },
+                        "burn" => attention(q, k, v, None, None, burn_opts),
+                        _ => attention_fallback(q, k, v, None, None, burn_opts),
+                    }
+                };
             let wants = |p: &str| args.passes.iter().any(|x| x == p);
             let fwd = (wants("fwd") || wants("bwd")).then(|| {
                 measure(&dev, &client, args.seconds, || {
-                    vec![forward(q.clone(), k.clone(), v.clone())]
+                    vec![forward(q.clone(), k.clone(), v.clone(), None)]
                 })
             });
             let fwd_bwd = (wants("fwd_bwd") || wants("bwd")).then(|| {
@@ -370,14 +447,20 @@ fn main() {
                     k.clone().autodiff().require_grad(),
                     v.clone().autodiff().require_grad(),
                 );
+                let trained =
+                    (args.terms == "relpos").then(|| table.clone().autodiff().require_grad());
                 measure(&dev, &client, args.seconds, || {
-                    let o = forward(qa.clone(), ka.clone(), va.clone());
+                    let o = forward(qa.clone(), ka.clone(), va.clone(), trained.clone());
                     let grads = o.backward();
-                    vec![
+                    let mut out = vec![
                         qa.grad(&grads).unwrap(),
                         ka.grad(&grads).unwrap(),
                         va.grad(&grads).unwrap(),
-                    ]
+                    ];
+                    if let Some(t) = &trained {
+                        out.push(t.grad(&grads).unwrap().unsqueeze());
+                    }
+                    out
                 })
             });
             let bwd = match (&fwd, &fwd_bwd) {
@@ -408,6 +491,7 @@ fn main() {
                     causal,
                     tokens,
                     mixed: args.mixed,
+                    terms: (args.terms != "none").then(|| args.terms.clone()),
                     ms: m.seconds * 1e3,
                     tflops: factor * flops / m.seconds / 1e12,
                     peak_extra_mib: m.peak_extra_mib,

@@ -116,7 +116,7 @@ pub(crate) fn kernel_dtype(dtype: DType) -> Option<FloatDtype> {
 }
 
 /// The problem, checked; panics with a message naming the argument on any mismatch.
-fn validate(
+pub(crate) fn validate(
     q: &Tensor<4>,
     k: &Tensor<4>,
     v: &Tensor<4>,

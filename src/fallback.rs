@@ -14,6 +14,20 @@ pub(crate) fn attention(
     v: Tensor<4>,
     options: &FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>) {
+    attention_biased(q, k, v, None, None, options)
+}
+
+/// [`attention`] with the score terms of [`flash_attention_biased`](crate::flash_attention_biased)
+/// added after masking: `bias` (broadcast, −∞ hides a key) and ALiBi `alibi_slopes`
+/// `[b | 1, h_q]`.
+pub(crate) fn attention_biased(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    bias: Option<Tensor<4>>,
+    alibi_slopes: Option<Tensor<2>>,
+    options: &FlashAttentionOptions,
+) -> (Tensor<4>, Tensor<3>) {
     let [batch, heads_q, seq_q, dim_qk] = q.dims();
     let [_, heads_kv, seq_kv, _] = k.dims();
     let group = heads_q / heads_kv;
@@ -21,14 +35,33 @@ pub(crate) fn attention(
     let scale = options
         .scale
         .unwrap_or_else(|| 1.0 / (dim_qk as f32).sqrt());
+    let device = q.device();
 
     let mut scores = q.matmul(k.transpose()).mul_scalar(scale);
     if let Some(cap) = options.softcap {
         scores = scores.div_scalar(cap).tanh().mul_scalar(cap);
     }
     if options.mask().is_masked() {
-        let hidden = hidden_keys(options, [batch, heads_q, seq_q, seq_kv], &scores.device());
+        let hidden = hidden_keys(options, [batch, heads_q, seq_q, seq_kv], &device);
         scores = scores.mask_fill(hidden, f32::NEG_INFINITY);
+    }
+    if let Some(bias) = bias {
+        let dtype = scores.dtype();
+        scores = scores.add(bias.cast(dtype));
+    }
+    if let Some(slopes) = alibi_slopes {
+        // −slope · |i + s_kv − s_q − j|, slopes `[b | 1, h_q]` broadcast over the positions.
+        let distance: Vec<f32> = (0..seq_q * seq_kv)
+            .map(|n| {
+                (((n / seq_kv + seq_kv) as i64 - seq_q as i64) - (n % seq_kv) as i64).abs() as f32
+            })
+            .collect();
+        let distance = Tensor::<2>::from_data(TensorData::new(distance, [seq_q, seq_kv]), &device)
+            .unsqueeze::<4>();
+        let [b, h] = slopes.dims();
+        let dtype = scores.dtype();
+        let slopes = slopes.reshape([b, h, 1, 1]).cast(dtype);
+        scores = scores.sub(distance.cast(slopes.dtype()).mul(slopes));
     }
     // Softmax with its LSE. A fully masked row has max −∞, clamped (to a value every float
     // dtype holds) so that it yields p = 0; the shift cancels in the softmax.
@@ -39,7 +72,10 @@ pub(crate) fn attention(
         .add(sum.clone().log())
         .squeeze_dim::<3>(3)
         .cast(FloatDType::F32);
-    let p = exp.div(sum.clamp_min(f32::MIN_POSITIVE));
+    // A fully masked row's sum is 0: divided by 1 instead, its gradients stay 0 (an
+    // additive −∞ passes them on to the scores, where a mask cuts them).
+    let empty = sum.clone().equal_elem(0.0).float().cast(sum.dtype());
+    let p = exp.div(sum.add(empty));
     (p.matmul(v), lse)
 }
 
@@ -91,39 +127,6 @@ pub(crate) fn attention_packed(
         return (out, lse);
     }
     (Tensor::cat(outs, 0), Tensor::cat(lses, 1))
-}
-
-/// [`attention`] with padded keys (`mask_pad` `[batch, seq_kv]`, `true` = padding) hidden
-/// as well, through Burn's composed attention.
-pub(crate) fn attention_with_padding(
-    q: Tensor<4>,
-    k: Tensor<4>,
-    v: Tensor<4>,
-    mask_pad: Tensor<2, Bool>,
-    options: &FlashAttentionOptions,
-) -> Tensor<4> {
-    use burn::tensor::module::attention as burn_attention;
-    use burn::tensor::ops::AttentionModuleOptions;
-    let [batch, heads_q, seq_q, _] = q.dims();
-    let [_, heads_kv, seq_kv, _] = k.dims();
-    let group = heads_q / heads_kv;
-    let hidden = hidden_keys(options, [batch, heads_q, seq_q, seq_kv], &q.device());
-    let padded = mask_pad
-        .reshape([batch, 1, 1, seq_kv])
-        .expand([batch, heads_q, seq_q, seq_kv]);
-    let options = AttentionModuleOptions {
-        scale: options.scale.map(f64::from),
-        softcap: options.softcap.map(f64::from),
-        is_causal: false,
-    };
-    burn_attention(
-        q,
-        repeat_heads(k, group),
-        repeat_heads(v, group),
-        Some(hidden.bool_or(padded)),
-        None,
-        options,
-    )
 }
 
 /// K or V with each head repeated for the `group` query heads that read it.

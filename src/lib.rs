@@ -29,6 +29,7 @@
 
 mod attention;
 mod backends;
+mod bias;
 mod fallback;
 pub mod module;
 pub mod ops;
@@ -38,8 +39,9 @@ mod varlen;
 mod warm_up;
 
 pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_attention};
+pub use bias::{AttentionBias, flash_attention_biased, flash_attention_biased_with_lse};
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
-pub use options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
+pub use options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};
 pub use serving::{
     KvCache, PagedKvCache, RotaryEmbedding, flash_attention_with_kvcache,
     flash_attention_with_kvcache_and_lse,

@@ -7,6 +7,7 @@ use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Tensor};
 
 use crate::attention::flash_attention;
+use crate::bias::{AttentionBias, flash_attention_biased};
 use crate::options::FlashAttentionOptions;
 
 /// Configuration of [`FlashMultiHeadAttention`].
@@ -88,9 +89,8 @@ impl FlashMultiHeadAttention {
     }
 
     /// Attention of `query` `[batch, seq_q, d_model]` over `key`/`value`
-    /// `[batch, seq_kv, d_model]`. `mask_pad` `[batch, seq_kv]` marks padded keys with `true`;
-    /// with a padding mask the call takes the composed (non-fused) path, since the fused
-    /// kernels take no boolean mask.
+    /// `[batch, seq_kv, d_model]`. `mask_pad` `[batch, seq_kv]` marks padded keys with `true`
+    /// (fused, as a bias of −∞ on those keys: [`flash_attention_biased`]).
     pub fn forward_qkv(
         &self,
         query: Tensor<3>,
@@ -112,7 +112,10 @@ impl FlashMultiHeadAttention {
         let options = FlashAttentionOptions::default().with_causal(self.causal);
         let context = match mask_pad {
             None => flash_attention(q, k, v, options),
-            Some(mask) => crate::fallback::attention_with_padding(q, k, v, mask, &options),
+            Some(mask) => {
+                let terms = AttentionBias::new().with_key_padding(mask);
+                flash_attention_biased(q, k, v, terms, options)
+            }
         };
         let context = context.swap_dims(1, 2).reshape([batch, seq_q, d_model]);
         self.output.forward(context)

@@ -8,7 +8,7 @@ use burn::backend::{
     tensor::{FloatTensor, IntTensor},
 };
 
-use crate::options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
+use crate::options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};
 
 #[backend_extension(
     Cube: cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm")),
@@ -38,6 +38,41 @@ pub trait FlashAttentionOps: Backend {
         d_o: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`flash_attention_fwd`](Self::flash_attention_fwd) with terms added to the scores
+    /// after masking: `bias` `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` in the dtype of `q` (−∞
+    /// hides a key) and ALiBi `alibi_slopes` `[b | 1, h_q]`, each where `options` says it is
+    /// present.
+    #[fusion(meta = meta::biased_forward)]
+    fn flash_attention_biased_fwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        alibi_slopes: FloatTensor<Self>,
+        options: BiasedOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Gradients of q, k, v and, with `options.bias_grad`, of the bias (summed over its
+    /// broadcast dimensions; otherwise the bias itself is returned in its place).
+    #[fusion(meta = meta::biased_backward)]
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_biased_bwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        alibi_slopes: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        options: BiasedOptions,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
 
     /// A packed batch: `q` `[total_q, h_q, d_qk]`, `k` `[total_kv, h_kv, d_qk]`, `v`
     /// `[total_kv, h_kv, d_v]`, sequence `i` at rows `cu_seqlens_q[i]..cu_seqlens_q[i + 1]`
@@ -103,7 +138,33 @@ mod meta {
     use burn::backend::fusion::custom::TensorSpec;
     use burn::tensor::{DType, Shape};
 
-    use crate::options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
+    use crate::options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};
+
+    pub fn biased_forward(
+        q: &TensorSpec,
+        k: &TensorSpec,
+        v: &TensorSpec,
+        _bias: &TensorSpec,
+        _alibi_slopes: &TensorSpec,
+        options: &BiasedOptions,
+    ) -> (TensorSpec, TensorSpec) {
+        forward(q, k, v, &options.attention)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn biased_backward(
+        q: &TensorSpec,
+        k: &TensorSpec,
+        v: &TensorSpec,
+        bias: &TensorSpec,
+        _alibi_slopes: &TensorSpec,
+        _o: &TensorSpec,
+        _lse: &TensorSpec,
+        _d_o: &TensorSpec,
+        _options: &BiasedOptions,
+    ) -> (TensorSpec, TensorSpec, TensorSpec, TensorSpec) {
+        (q.clone(), k.clone(), v.clone(), bias.clone())
+    }
 
     pub fn varlen_forward(
         q: &TensorSpec,

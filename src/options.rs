@@ -102,3 +102,17 @@ pub struct DecodeOptions {
     #[serde(default)]
     pub rotary: Option<bool>,
 }
+
+/// Options of a call with score terms ([`flash_attention_biased`](crate::flash_attention_biased)),
+/// as the backend extension receives them: which of its `bias` and `alibi_slopes` tensors
+/// are present (absent ones are ignored placeholders).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct BiasedOptions {
+    pub attention: FlashAttentionOptions,
+    /// An additive bias `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` in the dtype of `q`.
+    pub bias: bool,
+    /// ALiBi slopes `[b | 1, h_q]`.
+    pub alibi: bool,
+    /// The backward returns the bias's gradient (otherwise the bias itself, as a placeholder).
+    pub bias_grad: bool,
+}

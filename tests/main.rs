@@ -3,6 +3,7 @@
 //! Kernel tests run on the device `FLASH_DEVICE` selects (default `wgpu-cpu`: lavapipe, the
 //! CPU Vulkan driver). See `tests/common/mod.rs`.
 
+mod bias;
 mod common;
 mod decode;
 mod examples;

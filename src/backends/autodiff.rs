@@ -13,7 +13,7 @@ use burn::backend::{
 };
 
 use crate::ops::FlashAttentionOps;
-use crate::options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
+use crate::options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};
 
 /// The fused backward of the dense op and of packed batches: one node for both, which
 /// differ only in what they pass the backward op besides the saved tensors.
@@ -112,6 +112,53 @@ where
     }
 }
 
+/// The fused backward of a call with score terms: Q, K, V and the bias are its parents; the
+/// bias's gradient comes from the same backward launch, only where the bias is tracked.
+#[derive(Debug)]
+struct BiasedBackward;
+
+impl<B: Backend + FlashAttentionOps> Backward<B, 4> for BiasedBackward {
+    /// Checkpointed Q, K, V and bias; the ALiBi slopes; the forward's O and LSE; the options.
+    type State = (
+        [NodeId; 4],
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        BiasedOptions,
+    );
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 4>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_q, node_k, node_v, node_bias] = ops.parents;
+        let d_o = grads.consume::<B>(&ops.node);
+        let ([q_id, k_id, v_id, bias_id], slopes, o, lse, options) = ops.state;
+        let options = BiasedOptions {
+            bias_grad: options.bias && node_bias.is_some(),
+            ..options
+        };
+        let (dq, dk, dv, dbias) = B::flash_attention_biased_bwd(
+            checkpointer.retrieve_node_output(q_id),
+            checkpointer.retrieve_node_output(k_id),
+            checkpointer.retrieve_node_output(v_id),
+            checkpointer.retrieve_node_output(bias_id),
+            slopes,
+            o,
+            lse,
+            d_o,
+            options,
+        );
+        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv), (node_bias, dbias)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps for Autodiff<B, C> {
     fn flash_attention_varlen_fwd(
         q: FloatTensor<Self>,
@@ -158,6 +205,74 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             Self::from_inner(dq),
             Self::from_inner(dk),
             Self::from_inner(dv),
+        )
+    }
+
+    fn flash_attention_biased_fwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        alibi_slopes: FloatTensor<Self>,
+        options: BiasedOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let slopes = alibi_slopes.into_primitive();
+        let forward = |[q, k, v, bias]: [FloatTensor<B>; 4], slopes| {
+            B::flash_attention_biased_fwd(q, k, v, bias, slopes, options)
+        };
+        match BiasedBackward
+            .prepare::<C>([q.node(), k.node(), v.node(), bias.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let ids = [&q, &k, &v, &bias].map(|t| prep.checkpoint(t));
+                let inputs = [q, k, v, bias].map(|t| t.into_primitive());
+                let (o, lse) = forward(inputs, slopes.clone());
+                let state = (ids, slopes, o.clone(), lse.clone(), options);
+                (prep.finish(state, o), Self::from_inner(lse))
+            }
+            OpsKind::UnTracked(prep) => {
+                let inputs = [q, k, v, bias].map(|t| t.into_primitive());
+                let (o, lse) = forward(inputs, slopes);
+                (prep.finish(o), Self::from_inner(lse))
+            }
+        }
+    }
+
+    /// Not differentiable itself (no double backward).
+    fn flash_attention_biased_bwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        alibi_slopes: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        options: BiasedOptions,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let (dq, dk, dv, dbias) = B::flash_attention_biased_bwd(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            bias.into_primitive(),
+            alibi_slopes.into_primitive(),
+            o.into_primitive(),
+            lse.into_primitive(),
+            d_o.into_primitive(),
+            options,
+        );
+        (
+            Self::from_inner(dq),
+            Self::from_inner(dk),
+            Self::from_inner(dv),
+            Self::from_inner(dbias),
         )
     }
 

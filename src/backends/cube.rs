@@ -9,16 +9,16 @@ use burn_cubecl::{
     tensor::CubeTensor,
 };
 use cubecl_flash_attention::{
-    DeviceTensor, FlashError, FloatDtype, KernelPath, PackedSequences,
-    backward::{Gradients, Saved, backward, backward_packed},
+    DeviceTensor, FlashError, FloatDtype, KernelPath, PackedSequences, ScoreBias,
+    backward::{Gradients, Saved, backward, backward_biased, backward_packed},
     decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
-    forward::{ForwardOutput, forward, forward_packed},
+    forward::{ForwardOutput, forward, forward_biased, forward_packed},
     rotary::Rotary,
 };
 
 use crate::attention::kernel_dtype;
 use crate::ops::FlashAttentionOps;
-use crate::options::{DecodeOptions, FlashAttentionOptions, VarlenOptions};
+use crate::options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};
 
 /// The kernel crate's view of a Burn tensor (strides kept: no copy for strided views).
 fn device_tensor(t: CubeTensor) -> DeviceTensor {
@@ -97,6 +97,15 @@ fn run_backward(
     )
 }
 
+/// The kernels' views of a call's bias (in its own dtype, which the public API has made
+/// that of `q`) and ALiBi slopes (cast to f32).
+fn score_terms(bias: CubeTensor, alibi_slopes: CubeTensor) -> [DeviceTensor; 2] {
+    [
+        device_tensor(bias),
+        device_tensor(cast(alibi_slopes, DType::F32)),
+    ]
+}
+
 /// The kernels' dtype; the public API has already rejected anything else.
 fn float_dtype(dtype: DType) -> FloatDtype {
     kernel_dtype(dtype)
@@ -104,6 +113,84 @@ fn float_dtype(dtype: DType) -> FloatDtype {
 }
 
 impl FlashAttentionOps for CubeBackend {
+    fn flash_attention_biased_fwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        alibi_slopes: FloatTensor<Self>,
+        options: BiasedOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [bias, slopes] = score_terms(bias, alibi_slopes);
+        run_forward(
+            "flash_attention_biased forward",
+            [q, k, v],
+            |client, [q, k, v], dtype| {
+                forward_biased(
+                    client,
+                    q,
+                    k,
+                    v,
+                    ScoreBias {
+                        bias: options.bias.then_some(&bias),
+                        alibi_slopes: options.alibi.then_some(&slopes),
+                    },
+                    dtype,
+                    options.attention.kernel_options(),
+                    KernelPath::Auto,
+                )
+            },
+        )
+    }
+
+    fn flash_attention_biased_bwd(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        alibi_slopes: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        options: BiasedOptions,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let bias_tensor = bias.clone();
+        let [bias, slopes] = score_terms(bias, alibi_slopes);
+        let mut dbias = None;
+        let (dq, dk, dv) = run_backward(
+            "flash_attention_biased backward",
+            [q, k, v, o, lse, d_o],
+            |client, saved, d_o, dtype| {
+                let terms = ScoreBias {
+                    bias: options.bias.then_some(&bias),
+                    alibi_slopes: options.alibi.then_some(&slopes),
+                };
+                let (grads, d_bias) = backward_biased(
+                    client,
+                    saved,
+                    d_o,
+                    terms,
+                    options.bias_grad,
+                    dtype,
+                    options.attention.kernel_options(),
+                    KernelPath::Auto,
+                )?;
+                dbias = d_bias;
+                Ok(grads)
+            },
+        );
+        let dbias = match dbias {
+            Some(d) => cast(cube_tensor(&bias_tensor, d, DType::F32), bias_tensor.dtype),
+            None => bias_tensor,
+        };
+        (dq, dk, dv, dbias)
+    }
+
     fn flash_attention_fwd(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

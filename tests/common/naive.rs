@@ -13,6 +13,8 @@ pub struct Naive {
     pub dq: Vec<f64>,
     pub dk: Vec<f64>,
     pub dv: Vec<f64>,
+    /// `P ⊙ (dP − D)` `[b, h_q, s_q, s_kv]`: the gradient of the logits (of a bias).
+    pub dlogits: Vec<f64>,
 }
 
 /// Forward and backward of `case` with `d_out` as the upstream gradient.
@@ -23,6 +25,16 @@ pub fn attention(
     k: &[f64],
     v: &[f64],
     d_out: &[f64],
+) -> Naive {
+    attention_with_terms(case, dtype, [q, k, v, d_out], &|_, _, _, _| 0.0)
+}
+
+/// [`attention`] with `terms(b, h, i, j)` added to the logits after masking (−∞ hides).
+pub fn attention_with_terms(
+    case: &Case,
+    dtype: FloatDtype,
+    [q, k, v, d_out]: [&[f64]; 4],
+    terms: &dyn Fn(usize, usize, usize, usize) -> f64,
 ) -> Naive {
     let Dims {
         batch,
@@ -44,6 +56,7 @@ pub fn attention(
         dq: vec![0.0; d.q_len()],
         dk: vec![0.0; d.k_len()],
         dv: vec![0.0; d.v_len()],
+        dlogits: vec![0.0; d.lse_len() * seq_kv],
     };
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
     for b in 0..batch {
@@ -66,7 +79,7 @@ pub fn attention(
                         g *= 1.0 - t * t;
                     }
                     if mask.is_visible(i, j, seq_q, seq_kv) {
-                        s[i * seq_kv + j] = x;
+                        s[i * seq_kv + j] = r(x + terms(b, h, i, j));
                     }
                     ds_dqk[i * seq_kv + j] = g;
                 }
@@ -103,7 +116,9 @@ pub fn attention(
                 n.out[row * dim_v..][..dim_v].copy_from_slice(&o);
                 for j in 0..seq_kv {
                     let pij = p[i * seq_kv + j];
-                    let ds = r(pij * (dp[j] - delta)) * ds_dqk[i * seq_kv + j];
+                    let dlogit = r(pij * (dp[j] - delta));
+                    n.dlogits[row * seq_kv + j] = dlogit;
+                    let ds = dlogit * ds_dqk[i * seq_kv + j];
                     let kv_row = (b * heads_kv + hk) * seq_kv + j;
                     for c in 0..dim_v {
                         n.dv[kv_row * dim_v + c] += pij * do_at(i)[c];

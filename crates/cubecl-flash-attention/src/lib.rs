@@ -13,6 +13,7 @@
 //! GQA/MQA, `d_v ≠ d_qk`, any sequence lengths, arbitrary strides, f16/bf16/f32.
 
 pub mod backward;
+pub mod bias;
 pub mod config;
 pub mod decode;
 pub mod error;
@@ -35,6 +36,7 @@ pub mod sources;
 pub mod tile;
 pub mod wgmma;
 
+pub use bias::{ScoreBias, ScoreTerms};
 pub use config::{DeviceLimits, KernelPath, TileConfig};
 pub use error::FlashError;
 pub use launch::DeviceTensor;

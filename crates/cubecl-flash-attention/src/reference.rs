@@ -14,26 +14,23 @@
 
 use crate::mask::MaskSpec;
 
-/// A 4-D `[batch, heads, s_q, s_kv]` tensor that broadcasts over batch and heads
-/// (each of those dimensions is either 1 or the full size).
+/// A 4-D `[batch, heads, s_q, s_kv]` tensor that broadcasts over each dimension of size 1.
 #[derive(Clone, Debug)]
 pub struct Broadcast4<T> {
     pub data: Vec<T>,
-    /// `[batch, heads, s_q, s_kv]`, with batch and heads either 1 or full.
+    /// `[batch, heads, s_q, s_kv]`, each dimension either 1 or full.
     pub shape: [usize; 4],
 }
 
 impl<T: Copy> Broadcast4<T> {
     fn at(&self, b: usize, h: usize, i: usize, j: usize) -> T {
-        let [bb, hh, sq, skv] = self.shape;
-        let (b, h) = (if bb == 1 { 0 } else { b }, if hh == 1 { 0 } else { h });
-        self.data[((b * hh + h) * sq + i) * skv + j]
+        self.data[self.index(b, h, i, j)]
     }
 
     fn index(&self, b: usize, h: usize, i: usize, j: usize) -> usize {
         let [bb, hh, sq, skv] = self.shape;
-        let (b, h) = (if bb == 1 { 0 } else { b }, if hh == 1 { 0 } else { h });
-        ((b * hh + h) * sq + i) * skv + j
+        let pick = |n: usize, x: usize| if n == 1 { 0 } else { x };
+        ((pick(bb, b) * hh + pick(hh, h)) * sq + pick(sq, i)) * skv + pick(skv, j)
     }
 }
 
@@ -58,7 +55,8 @@ pub struct ReferenceOptions {
     pub bool_mask: Option<Broadcast4<bool>>,
     /// Additive bias on the scores (after masking).
     pub bias: Option<Broadcast4<f64>>,
-    /// ALiBi slope per query head: adds `−slope · |i + s_kv − s_q − j|`.
+    /// ALiBi slope per query head (`[h_q]`, or `[b, h_q]` flattened): adds
+    /// `−slope · |i + s_kv − s_q − j|`.
     pub alibi_slopes: Option<Vec<f64>>,
     /// Dropout on the probabilities.
     pub dropout: Option<Dropout>,
@@ -172,7 +170,11 @@ fn head_scores(
                 }
                 if let Some(slopes) = &options.alibi_slopes {
                     let dist = (i as i64 + seq_kv as i64 - seq_q as i64 - j as i64).abs();
-                    s -= slopes[h] * dist as f64;
+                    let slope = match slopes.len() == dims.heads_q {
+                        true => slopes[h],
+                        false => slopes[b * dims.heads_q + h],
+                    };
+                    s -= slope * dist as f64;
                 }
             }
             logits[i * seq_kv + j] = s;

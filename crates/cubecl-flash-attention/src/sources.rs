@@ -26,6 +26,7 @@ use crate::backward::{
     flash_backward_dq, flash_backward_dq_cmma, flash_backward_dq_from_sum, flash_backward_dq_mma,
     register_backward_config,
 };
+use crate::bias::ScoreTerms;
 use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
 use crate::decode::{
     append::append_to_cache,
@@ -354,15 +355,33 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
     // Packed batches change only how a cube finds its sequence (and the registers that
     // takes): their forms are checked for one dtype and head dim, without options and with
     // every one.
+    // The score terms (bias, ALiBi, the bias's gradient, summed) add the same code to every
+    // dtype and head dim: checked on those of the packed forms, with every option.
+    let none = ScoreTerms::default();
+    let every_term = ScoreTerms {
+        bias: true,
+        alibi: true,
+        bias_grad: true,
+        bias_grad_sums: true,
+    };
     let variants = shipped_problems().into_iter().flat_map(|problem| {
-        let packed =
+        let one_form =
             problem.dtype == FloatDtype::BF16 && (problem.dim_qk, problem.dim_v) == (128, 128);
-        [Some((problem, false)), packed.then_some((problem, true))]
+        let with_terms = one_form && problem.options.mask.is_masked();
+        [
+            Some((problem, false, none)),
+            one_form.then_some((problem, true, none)),
+            with_terms.then_some((problem, false, every_term)),
+        ]
     });
-    for (problem, packed) in variants.flatten() {
-        for (name, kernel) in kernels(&problem, &limits, target, props.clone(), packed) {
+    for (problem, packed, terms) in variants.flatten() {
+        for (name, kernel) in kernels(&problem, &limits, target, props.clone(), packed, terms) {
             let packed_suffix = if packed { "_packed" } else { "" };
-            let name = format!("{name}{packed_suffix}_{}", variant_suffix(&problem));
+            let terms_suffix = if terms.any() { "_terms" } else { "" };
+            let name = format!(
+                "{name}{packed_suffix}{terms_suffix}_{}",
+                variant_suffix(&problem)
+            );
             if !seen.insert(name.clone()) {
                 continue;
             }
@@ -448,6 +467,7 @@ fn kernels(
     target: Target,
     props: Arc<DeviceProperties>,
     packed: bool,
+    terms: ScoreTerms,
 ) -> Vec<(&'static str, KernelResult)> {
     let tprops = match target.language() {
         Language::Cuda => cuda::target_properties(),
@@ -476,15 +496,18 @@ fn kernels(
                 (),
                 (),
                 (),
+                tensor(),
+                tensor(),
                 c,
                 packed,
+                terms,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
     ));
     // Serving: the decode kernel (one new token, GQA rows packed) contiguous and unsplit,
     // paged and split, at d = 64 and 128; the append and the merge once per dtype.
-    if !packed && matches!((problem.dim_qk, problem.dim_v), (64, 64) | (128, 128)) {
+    if !packed && !terms.any() && matches!((problem.dim_qk, problem.dim_v), (64, 64) | (128, 128)) {
         let decode_problem = AttentionProblem {
             seq_q: 1,
             ..*problem
@@ -661,8 +684,11 @@ fn kernels(
                 tensor(),
                 tensor(),
                 tensor(),
+                tensor(),
+                tensor(),
                 problem.dim_v,
                 256 / DELTA_LANES,
+                terms.any(),
                 elem,
             ))),
         ));
@@ -688,8 +714,11 @@ fn kernels(
                 (),
                 (),
                 (),
+                tensor(),
+                tensor(),
                 c,
                 packed,
+                terms,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
@@ -714,8 +743,12 @@ fn kernels(
                 (),
                 (),
                 (),
+                tensor(),
+                tensor(),
+                tensor(),
                 c,
                 packed,
+                terms,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
@@ -761,8 +794,11 @@ fn kernels(
                         (),
                         (),
                         (),
+                        tensor(),
+                        tensor(),
                         c,
                         packed,
+                        terms,
                         elem,
                     )) as Box<dyn CubeKernel>
                 }),
@@ -829,9 +865,12 @@ fn kernels(
                                 (),
                                 (),
                                 (),
+                                tensor(),
+                                tensor(),
                                 c,
                                 gradients,
                                 packed,
+                                terms,
                                 elem,
                             ),
                         )),
@@ -884,8 +923,12 @@ fn kernels(
                         (),
                         (),
                         (),
+                        tensor(),
+                        tensor(),
+                        tensor(),
                         c,
                         packed,
+                        terms,
                         elem,
                     ))),
                 ));
@@ -914,8 +957,11 @@ fn kernels(
                 (),
                 (),
                 (),
+                tensor(),
+                tensor(),
                 c,
                 packed,
+                terms,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
@@ -941,8 +987,11 @@ fn kernels(
                 (),
                 (),
                 (),
+                tensor(),
+                tensor(),
                 c,
                 packed,
+                terms,
                 elem,
             )) as Box<dyn CubeKernel>
         }),
@@ -967,8 +1016,12 @@ fn kernels(
                 (),
                 (),
                 (),
+                tensor(),
+                tensor(),
+                tensor(),
                 c,
                 packed,
+                terms,
                 elem,
             )) as Box<dyn CubeKernel>
         }),

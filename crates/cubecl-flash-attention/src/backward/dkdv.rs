@@ -8,6 +8,7 @@
 
 use cubecl::prelude::*;
 
+use crate::bias::{BiasLine, ScoreTerms};
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
@@ -34,8 +35,11 @@ pub fn flash_backward_dkdv<F: Float>(
     softcap: f32,
     window_left: i32,
     window_right: i32,
+    bias: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
+    #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_k = config.block_rows;
@@ -101,6 +105,8 @@ pub fn flash_backward_dkdv<F: Float>(
 
     for g in 0..group {
         let head_q = head_kv * group + g;
+        let terms_line =
+            BiasLine::along_queries(bias, alibi_slopes, batch, head_q, key, seq_q, seq_kv, terms);
         for block in 0..blocks.count {
             let q0 = blocks.start(block, block_q);
             let q0_u = usize::cast_from(q0);
@@ -156,7 +162,8 @@ pub fn flash_backward_dkdv<F: Float>(
                     let dot =
                         dot_staged(&k_row, &q_tile, i * dim_qk, len_qk, dim_qk, config.columns);
                     let s = score(dot, scale, softcap, config.softcap);
-                    let p = (s - lse_tile[i]).exp();
+                    let logit = terms_line.add(bias, s, q0_u + i, 1.0, terms);
+                    let p = (logit - lse_tile[i]).exp();
                     // dV += P·dOᵢ and dP = dOᵢ·V, reading the staged dO row once.
                     let dp = add_scaled_and_dot_staged(
                         &mut dv_acc,

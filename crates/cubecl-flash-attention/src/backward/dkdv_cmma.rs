@@ -11,6 +11,7 @@
 
 use cubecl::prelude::*;
 
+use crate::bias::{BiasLine, ScoreTerms};
 use crate::config::{FRAGMENT, MmaConfig};
 use crate::mask::Mask;
 use crate::mma::{
@@ -59,8 +60,11 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     softcap: f32,
     window_left: i32,
     window_right: i32,
+    bias: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
+    #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_k = comptime!(config.block_rows());
@@ -142,6 +146,16 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
 
     for g in 0..group {
         let head_q = head_kv * group + g;
+        let terms_line = BiasLine::along_queries(
+            bias,
+            alibi_slopes,
+            batch,
+            head_q,
+            k_begin + my_key,
+            seq_q,
+            seq_kv,
+            terms,
+        );
         for block in 0..blocks.count {
             let q0 = blocks.start(block, block_q);
             let q0_u = usize::cast_from(q0);
@@ -223,8 +237,9 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
             for j in 0..cols {
                 let col = j * per_row + part;
                 let s = score(s_tile[my_key * s_ld + col], scale, softcap, config.softcap);
+                let logit = terms_line.add(bias, s, q0_u + col, 1.0, terms);
                 let visible = !needs_mask || mask.is_visible(q0 + i32::cast_from(col), key_i);
-                let p = select(visible, (s - lse_tile[col]).exp(), 0.0);
+                let p = select(visible, (logit - lse_tile[col]).exp(), 0.0);
                 let ds = p
                     * (dp_tile[my_key * dp_ld + col] - delta_tile[col])
                     * score_grad(s, scale, softcap, config.softcap);

@@ -30,6 +30,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use crate::bias::{BiasLine, ScoreTerms, add_to_columns};
 use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
@@ -80,9 +81,12 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     softcap: f32,
     window_left: i32,
     window_right: i32,
+    bias: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] gradients: KeyGradients,
     #[comptime] packed: bool,
+    #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
 ) {
     let with_dk = comptime!(gradients != KeyGradients::Values);
@@ -390,7 +394,52 @@ pub fn flash_backward_dkdv_mma<F: Float>(
 
         // 2. Pᵀ into `s_acc`, dSᵀ (without the softmax scale) into `dp_acc`; hidden
         // probabilities are zeroed only in the blocks that straddle the mask's edge or a
-        // sequence end.
+        // sequence end. With score terms, the logits (base 2, terms added) go to an
+        // array of their own: the softcap's derivative reads the capped score without them.
+        let mut logits = zeros(comptime!(if terms.any() { 2 * s_tiles } else { 1 }));
+        if comptime!(terms.any()) {
+            let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
+            #[unroll]
+            for i in 0..comptime!(2 * s_tiles) {
+                let mut pair = s_acc[i];
+                #[unroll]
+                for e in 0..2usize {
+                    let dot = pair.extract(e);
+                    let mut s = dot * scale_log2;
+                    if comptime!(config.softcap) {
+                        s = cap_log2 * (dot * pre_cap).tanh();
+                    }
+                    pair.insert(e, s);
+                }
+                logits[i] = pair;
+            }
+            #[unroll]
+            for half in 0..2usize {
+                let key = k_begin + plane_row + group + 8 * half;
+                let line = BiasLine::along_queries(
+                    bias,
+                    alibi_slopes,
+                    batch,
+                    head_q,
+                    key,
+                    seq_q,
+                    seq_kv,
+                    terms,
+                );
+                let p0 = usize::cast_from(q0);
+                add_to_columns(
+                    &mut logits,
+                    0,
+                    s_tiles,
+                    half,
+                    p0,
+                    &line,
+                    bias,
+                    LOG2_E,
+                    terms,
+                );
+            }
+        }
         #[unroll]
         for half in 0..2usize {
             #[unroll]
@@ -419,7 +468,11 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     } else {
                         stats_tile[col + block_q]
                     };
-                    p_pair.insert(e, exp2_approx(s - lse));
+                    let mut logit = s;
+                    if comptime!(terms.any()) {
+                        logit = logits[at].extract(e);
+                    }
+                    p_pair.insert(e, exp2_approx(logit - lse));
                     // (dPᵀ − D) · dS/d(q·k), times Pᵀ once the mask has been applied.
                     if comptime!(with_dk) {
                         ds_pair.insert(e, (ds_pair.extract(e) - delta) * grad);

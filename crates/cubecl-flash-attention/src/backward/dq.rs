@@ -6,6 +6,7 @@
 
 use cubecl::prelude::*;
 
+use crate::bias::{BiasGradLine, BiasLine, ScoreTerms};
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
@@ -30,8 +31,12 @@ pub fn flash_backward_dq<F: Float>(
     softcap: f32,
     window_left: i32,
     window_right: i32,
+    bias: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
+    dbias: &mut Tensor<Atomic<u32>>,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
+    #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = config.block_rows;
@@ -85,6 +90,17 @@ pub fn flash_backward_dq<F: Float>(
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
     let row_i = i32::cast_from(row);
+    let terms_line = BiasLine::along_keys(
+        bias,
+        alibi_slopes,
+        batch,
+        head.head_q,
+        row,
+        seq_q,
+        seq_kv,
+        terms,
+    );
+    let grad_line = BiasGradLine::along_keys(dbias, batch, head.head_q, min(row, seq_q - 1));
 
     for block in 0..blocks.count {
         let k0 = blocks.start(block, block_k);
@@ -112,11 +128,20 @@ pub fn flash_backward_dq<F: Float>(
         );
         for j in 0..block_k {
             if !needs_mask || mask.is_visible(row_i, k0 + i32::cast_from(j)) {
+                let key = usize::cast_from(k0) + j;
                 let dot = dot_staged(&q_row, &k_tile, j * dim_qk, len_qk, dim_qk, config.columns);
                 let s = score(dot, scale, softcap, config.softcap);
-                let p = (s - row_lse).exp();
+                let logit = terms_line.add(bias, s, key, 1.0, terms);
+                let p = (logit - row_lse).exp();
                 let dp = dot_staged(&do_row, &v_tile, j * dim_v, len_v, dim_v, config.columns);
-                let ds = p * (dp - row_delta) * score_grad(s, scale, softcap, config.softcap);
+                // dS with respect to the logit: the bias's gradient.
+                let ds_logit = p * (dp - row_delta);
+                if comptime!(terms.bias_grad) {
+                    if row < seq_q && key < seq_kv {
+                        grad_line.add(dbias, key, ds_logit, terms);
+                    }
+                }
+                let ds = ds_logit * score_grad(s, scale, softcap, config.softcap);
                 add_scaled_staged(
                     &mut dq_acc,
                     ds,

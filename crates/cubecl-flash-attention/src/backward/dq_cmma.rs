@@ -6,6 +6,7 @@
 
 use cubecl::prelude::*;
 
+use crate::bias::{BiasGradLine, BiasLine, ScoreTerms};
 use crate::config::{FRAGMENT, MmaConfig};
 use crate::mask::Mask;
 use crate::mma::{
@@ -47,8 +48,12 @@ pub fn flash_backward_dq_cmma<F: Float>(
     softcap: f32,
     window_left: i32,
     window_right: i32,
+    bias: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
+    dbias: &mut Tensor<Atomic<u32>>,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
+    #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
@@ -80,6 +85,17 @@ pub fn flash_backward_dq_cmma<F: Float>(
     let row_c = q_first + min(row, seq_q - 1);
     let row_lse = lse[row_offset(lse, batch, head.head_q, row_c)];
     let row_delta = delta[row_offset(delta, batch, head.head_q, row_c)];
+    let terms_line = BiasLine::along_keys(
+        bias,
+        alibi_slopes,
+        batch,
+        head.head_q,
+        row,
+        seq_q,
+        seq_kv,
+        terms,
+    );
+    let grad_line = BiasGradLine::along_keys(dbias, batch, head.head_q, min(row, seq_q - 1));
 
     let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, SHARED_ALIGN);
     let mut do_tile = Shared::<[F]>::new_aligned_slice(block_q * v_ld, SHARED_ALIGN);
@@ -188,12 +204,19 @@ pub fn flash_backward_dq_cmma<F: Float>(
         #[unroll]
         for j in 0..cols {
             let col = j * per_row + part;
+            let key = usize::cast_from(k0) + col;
             let s = score(s_tile[my_row * s_ld + col], scale, softcap, config.softcap);
+            let logit = terms_line.add(bias, s, key, 1.0, terms);
             let visible = !needs_mask || mask.is_visible(row_i, k0 + i32::cast_from(col));
-            let p = select(visible, (s - row_lse).exp(), 0.0);
-            let ds = p
-                * (dp_tile[my_row * dp_ld + col] - row_delta)
-                * score_grad(s, scale, softcap, config.softcap);
+            let p = select(visible, (logit - row_lse).exp(), 0.0);
+            // dS with respect to the logit: the bias's gradient.
+            let ds_logit = p * (dp_tile[my_row * dp_ld + col] - row_delta);
+            if comptime!(terms.bias_grad) {
+                if visible && row < seq_q && key < seq_kv {
+                    grad_line.add(dbias, key, ds_logit, terms);
+                }
+            }
+            let ds = ds_logit * score_grad(s, scale, softcap, config.softcap);
             ds_tile[my_row * ds_ld + col] = F::cast_from(ds);
         }
         sync_plane();

@@ -19,6 +19,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use crate::bias::{BiasGradLine, BiasLine, ScoreTerms, add_grad_columns, add_to_columns};
 use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
@@ -61,8 +62,12 @@ pub fn flash_backward_dq_mma<F: Float>(
     softcap: f32,
     window_left: i32,
     window_right: i32,
+    bias: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
+    dbias: &mut Tensor<Atomic<u32>>,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] packed: bool,
+    #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
@@ -300,7 +305,54 @@ pub fn flash_backward_dq_mma<F: Float>(
 
         // 2. P into `s_acc`, dS (without the softmax scale) into `dp_acc`; hidden
         // probabilities are zeroed only in the blocks that straddle the mask's edge or a
-        // sequence end.
+        // sequence end. The score terms are added in base 2, before the softcap's
+        // derivative is taken (which reads the capped score).
+        // With score terms, the logits (base 2, terms added) go to an array of their own,
+        // since the softcap's derivative reads the capped score without them; once read,
+        // it holds that derivative.
+        let k0_u = usize::cast_from(k0);
+        let mut logits = zeros(comptime!(if terms.any() { 2 * s_tiles } else { 1 }));
+        if comptime!(terms.any()) {
+            #[unroll]
+            for i in 0..comptime!(2 * s_tiles) {
+                let mut pair = s_acc[i];
+                #[unroll]
+                for e in 0..2usize {
+                    let dot = pair.extract(e);
+                    let mut s = dot * scale_log2;
+                    if comptime!(config.softcap) {
+                        s = cap_log2 * (dot * pre_cap).tanh();
+                    }
+                    pair.insert(e, s);
+                }
+                logits[i] = pair;
+            }
+            #[unroll]
+            for half in 0..2usize {
+                let row = q_begin + plane_row + group + 8 * half;
+                let line = BiasLine::along_keys(
+                    bias,
+                    alibi_slopes,
+                    batch,
+                    head.head_q,
+                    row,
+                    seq_q,
+                    seq_kv,
+                    terms,
+                );
+                add_to_columns(
+                    &mut logits,
+                    0,
+                    s_tiles,
+                    half,
+                    k0_u,
+                    &line,
+                    bias,
+                    LOG2_E,
+                    terms,
+                );
+            }
+        }
         #[unroll]
         for half in 0..2usize {
             #[unroll]
@@ -308,6 +360,7 @@ pub fn flash_backward_dq_mma<F: Float>(
                 let at = 2 * n + half;
                 let mut p_pair = s_acc[at];
                 let mut ds_pair = dp_acc[at];
+                let mut logit_pair = logits[comptime!(if terms.any() { at } else { 0 })];
                 #[unroll]
                 for e in 0..2usize {
                     let dot = p_pair.extract(e);
@@ -318,11 +371,22 @@ pub fn flash_backward_dq_mma<F: Float>(
                         s = cap_log2 * t;
                         grad = 1.0 - t * t;
                     }
-                    p_pair.insert(e, exp2_approx(s - lse_row[half]));
-                    ds_pair.insert(e, (ds_pair.extract(e) - delta_row[half]) * grad);
+                    let mut logit = s;
+                    let mut dp_minus_d = ds_pair.extract(e) - delta_row[half];
+                    if comptime!(terms.any()) {
+                        logit = logit_pair.extract(e);
+                        logit_pair.insert(e, grad);
+                    } else {
+                        dp_minus_d *= grad;
+                    }
+                    p_pair.insert(e, exp2_approx(logit - lse_row[half]));
+                    ds_pair.insert(e, dp_minus_d);
                 }
                 s_acc[at] = p_pair;
                 dp_acc[at] = ds_pair;
+                if comptime!(terms.any()) {
+                    logits[at] = logit_pair;
+                }
             }
         }
         let needs_mask = !mask.is_block_visible(
@@ -339,9 +403,26 @@ pub fn flash_backward_dq_mma<F: Float>(
                 hide_columns(&mut s_acc, 0, s_tiles, half, k0, keys, 0.0);
             }
         }
+        // With terms, `dp_acc` holds `dP − D` and `logits` the softcap's derivative: the
+        // bias's gradient is `P ⊙ (dP − D)`.
+        if comptime!(terms.bias_grad) {
+            #[unroll]
+            for half in 0..2usize {
+                let row = q_begin + plane_row + group + 8 * half;
+                if row < seq_q {
+                    let line = BiasGradLine::along_keys(dbias, batch, head.head_q, row);
+                    add_grad_columns(
+                        dbias, &s_acc, &dp_acc, s_tiles, half, k0_u, seq_kv, &line, terms,
+                    );
+                }
+            }
+        }
         #[unroll]
         for i in 0..comptime!(2 * s_tiles) {
             dp_acc[i] = s_acc[i] * dp_acc[i];
+            if comptime!(terms.any() && config.softcap) {
+                dp_acc[i] = dp_acc[i] * logits[i];
+            }
         }
 
         // 3. dQ += dS·K, 16 keys per step (warpgroup products: all 64 keys, 64 columns of dQ

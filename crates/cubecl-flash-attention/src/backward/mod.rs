@@ -30,6 +30,7 @@ mod preprocess;
 
 use cubecl::prelude::*;
 
+use crate::bias::{ScoreBias, ScoreTerms};
 use crate::config::{
     DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, apply_tile_override,
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_backward_tiles,
@@ -105,6 +106,50 @@ pub fn backward(
     Ok(grads)
 }
 
+/// [`backward`] of [`crate::forward::forward_biased`]: the same score terms `bias`, and
+/// with `bias_grad` also `d(bias)`, in f32 in the bias's shape (contiguous; summed over the
+/// dimensions where the bias broadcasts).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_biased(
+    client: &Client,
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    bias: ScoreBias<'_>,
+    bias_grad: bool,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<(Gradients, Option<DeviceTensor>), FlashError> {
+    let Saved { q, k, v, .. } = saved;
+    let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
+    let terms = bias.terms(&problem, bias_grad)?;
+    let dbias = bias
+        .bias
+        .filter(|_| bias_grad)
+        .map(|b| DeviceTensor::zeros_f32(client, &b.shape));
+    if problem.is_empty() || problem.seq_kv == 0 {
+        let shapes = [&q.shape[..], &k.shape[..], &v.shape[..]];
+        return Ok((zero_gradients(client, shapes, dtype)?, dbias));
+    }
+    let grads = Gradients {
+        dq: DeviceTensor::empty(client, &q.shape, dtype.size()),
+        dk: DeviceTensor::empty(client, &k.shape, dtype.size()),
+        dv: DeviceTensor::empty(client, &v.shape, dtype.size()),
+    };
+    check_shapes(
+        saved,
+        d_out,
+        &grads,
+        &problem.out_shape(),
+        &problem.lse_shape(),
+    )?;
+    let with_terms = (bias, terms, dbias.as_ref());
+    launch(
+        client, saved, d_out, &grads, &problem, None, with_terms, path,
+    )?;
+    Ok((grads, dbias))
+}
+
 /// [`backward`] into caller-provided gradients (shapes of Q, K, V; any strides). Needs
 /// non-empty query and key sequences ([`backward`] handles the empty cases).
 pub fn backward_into(
@@ -127,7 +172,8 @@ pub fn backward_into(
             expected: "backward_into needs non-empty query and key sequences".into(),
         });
     }
-    launch(client, saved, d_out, grads, &problem, None, path)
+    let no_terms = (ScoreBias::none(), ScoreTerms::default(), None);
+    launch(client, saved, d_out, grads, &problem, None, no_terms, path)
 }
 
 /// An error naming the argument unless `out` and `d_out` have `out_shape`, `lse` has
@@ -247,12 +293,16 @@ fn launch_packed(
         &views,
         problem,
         Some(sequences),
+        (ScoreBias::none(), ScoreTerms::default(), None),
         path,
     )
 }
 
-/// Launches the backward kernels for `problem`, into `grads`; a packed batch's tensors are
-/// the kernels' `[1, heads, total, dim]` views.
+/// Launches the backward kernels for `problem`, into `grads`, with the score terms `bias`
+/// (checked, as `terms`) and, where `terms` asks for it, their gradient into `dbias` (f32,
+/// zeroed, the bias's shape); a packed batch's tensors are the kernels' `[1, heads, total,
+/// dim]` views.
+#[allow(clippy::too_many_arguments)]
 fn launch(
     client: &Client,
     saved: Saved<'_>,
@@ -260,15 +310,29 @@ fn launch(
     grads: &Gradients,
     problem: &AttentionProblem,
     packed: Option<(&PackedSequences, &PackedSequences)>,
+    (bias, terms, dbias): (ScoreBias<'_>, ScoreTerms, Option<&DeviceTensor>),
     path: KernelPath,
 ) -> Result<(), FlashError> {
     let Saved { q, k, v, out, lse } = saved;
-    let (problem, dtype) = (*problem, problem.dtype);
+    let (mut problem, dtype) = (*problem, problem.dtype);
     check_dtype(client, dtype)?;
     let (cu_q, cu_kv) = cu_seqlens(packed, lse);
     let is_packed = packed.is_some();
     let limits = DeviceLimits::from_properties(client.properties());
+    // The bias's gradient is written by the dQ kernels: no dQ folded into dK/dV by atomics.
+    problem.options.deterministic |= terms.bias_grad;
     let plan = plan(path, &problem, &limits, [q, k, v, d_out])?;
+    let [bias, slopes] = bias.args(client, q);
+    let dbias = dbias
+        .cloned()
+        .unwrap_or_else(|| DeviceTensor::empty(client, &[1, 1, 1, 1], 4));
+    // With terms, the kernels read the LSE the delta kernel rewrites: rows the terms hide
+    // completely (`LSE = −∞`) must give `P = 0`.
+    let guarded_lse = terms
+        .any()
+        .then(|| DeviceTensor::empty(client, &lse.shape, 4));
+    let lse_in = lse;
+    let lse = guarded_lse.as_ref().unwrap_or(lse_in);
     let (left, right) = window_args(&problem);
     let (scale, softcap) = (problem.scale(), softcap_arg(&problem));
     let elem = dtype.elem_type();
@@ -285,8 +349,14 @@ fn launch(
             out.arg(),
             d_out.arg(),
             delta.arg(),
+            lse_in.arg(),
+            guarded_lse
+                .clone()
+                .unwrap_or_else(|| DeviceTensor::empty(client, &[1, 1, 1], 4))
+                .arg(),
             problem.dim_v,
             delta_rows,
+            terms.any(),
             elem,
         );
     }
@@ -332,9 +402,12 @@ fn launch(
                         softcap,
                         left,
                         right,
+                        bias.arg(),
+                        slopes.arg(),
                         warpgroup_only_for(config, "dkdv"),
                         gradients,
                         is_packed,
+                        terms,
                         elem,
                     );
                 }
@@ -381,8 +454,12 @@ fn launch(
                     softcap,
                     left,
                     right,
+                    bias.arg(),
+                    slopes.arg(),
+                    dbias.arg(),
                     warpgroup_only_for(config, "dq"),
                     is_packed,
+                    terms,
                     elem,
                 );
             }
@@ -413,8 +490,11 @@ fn launch(
                     softcap,
                     left,
                     right,
+                    bias.arg(),
+                    slopes.arg(),
                     config,
                     is_packed,
+                    terms,
                     elem,
                 );
             }
@@ -442,8 +522,12 @@ fn launch(
                     softcap,
                     left,
                     right,
+                    bias.arg(),
+                    slopes.arg(),
+                    dbias.arg(),
                     config,
                     is_packed,
+                    terms,
                     elem,
                 );
             }
@@ -469,8 +553,11 @@ fn launch(
                     softcap,
                     left,
                     right,
+                    bias.arg(),
+                    slopes.arg(),
                     dkdv,
                     is_packed,
+                    terms,
                     elem,
                 );
             }
@@ -494,8 +581,12 @@ fn launch(
                     softcap,
                     left,
                     right,
+                    bias.arg(),
+                    slopes.arg(),
+                    dbias.arg(),
                     dq,
                     is_packed,
+                    terms,
                     elem,
                 );
             }

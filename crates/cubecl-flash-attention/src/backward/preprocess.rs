@@ -1,4 +1,5 @@
-//! Backward step 1: `D = rowsum(dO ⊙ O)` in f32.
+//! Backward step 1: `D = rowsum(dO ⊙ O)` in f32; with score terms, also the LSE as the
+//! backward reads it ([`crate::bias::backward_lse`]).
 //!
 //! [`DELTA_LANES`] consecutive units share a row: unit `l` multiplies columns `l`,
 //! `l + DELTA_LANES`, …, so neighbouring units read neighbouring elements (one 32-byte
@@ -7,6 +8,7 @@
 
 use cubecl::prelude::*;
 
+use crate::bias::backward_lse;
 use crate::tile::row_offset;
 
 /// Units sharing one row.
@@ -17,8 +19,11 @@ pub fn flash_backward_delta<F: Float>(
     out: &Tensor<F>,
     d_out: &Tensor<F>,
     delta: &mut Tensor<f32>,
+    lse: &Tensor<f32>,
+    lse_out: &mut Tensor<f32>,
     #[comptime] dim_v: usize,
     #[comptime] rows: usize,
+    #[comptime] guard_lse: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let mut partial = Shared::<[f32]>::new_slice(comptime!(rows * DELTA_LANES));
@@ -54,5 +59,10 @@ pub fn flash_backward_delta<F: Float>(
         }
         let index = batch * delta.stride(0) + head * delta.stride(1) + i * delta.stride(2);
         delta[index] = total;
+        if comptime!(guard_lse) {
+            let at = batch * lse.stride(0) + head * lse.stride(1) + i * lse.stride(2);
+            let out = batch * lse_out.stride(0) + head * lse_out.stride(1) + i * lse_out.stride(2);
+            lse_out[out] = backward_lse(lse[at]);
+        }
     }
 }

@@ -15,6 +15,7 @@
 
 use cubecl::prelude::*;
 
+use crate::bias::{BiasLine, ScoreTerms};
 use crate::config::{FRAGMENT, MmaConfig};
 use crate::mask::Mask;
 use crate::mma::{Operand, PlaneRow, SHARED_ALIGN, product_to_shared};
@@ -48,8 +49,11 @@ pub fn flash_forward_cmma<F: Float>(
     window_left: i32,
     window_right: i32,
     neg_inf: f32,
+    bias: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
+    #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
@@ -111,6 +115,16 @@ pub fn flash_forward_cmma<F: Float>(
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
     let row_i = i32::cast_from(row);
+    let terms_line = BiasLine::along_keys(
+        bias,
+        alibi_slopes,
+        batch,
+        head.head_q,
+        row,
+        seq_q,
+        seq_kv,
+        terms,
+    );
 
     for block in 0..blocks.count {
         let k0 = blocks.start(block, block_k);
@@ -173,6 +187,7 @@ pub fn flash_forward_cmma<F: Float>(
         for j in 0..s_cols {
             let col = j * per_row + part;
             let mut s = score(s_tile[s_row + col], scale, softcap, config.softcap);
+            s = terms_line.add(bias, s, k0_u + col, 1.0, terms);
             if needs_mask && !mask.is_visible(row_i, k0 + i32::cast_from(col)) {
                 s = f32::new(MASKED);
             }

@@ -6,6 +6,7 @@ mod register_mma;
 
 use cubecl::prelude::*;
 
+use crate::bias::{ScoreBias, ScoreTerms};
 use crate::config::{
     DeviceLimits, KernelPath, MmaConfig, RegisterMmaConfig, TileConfig, apply_tile_override,
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_mma_tiles,
@@ -50,6 +51,37 @@ pub fn forward(
     Ok(ForwardOutput { out, lse, problem })
 }
 
+/// [`forward`] with terms added to the scores after masking ([`crate::bias`]): a bias
+/// tensor `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` in the dtype of Q (−∞ hides a key) and/or
+/// ALiBi slopes `[b | 1, h_q]` (f32).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_biased(
+    client: &Client,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    bias: ScoreBias<'_>,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<ForwardOutput, FlashError> {
+    let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
+    let terms = bias.terms(&problem, false)?;
+    let out = DeviceTensor::empty(client, &problem.out_shape(), dtype.size());
+    let lse = DeviceTensor::empty(client, &problem.lse_shape(), 4);
+    launch(
+        client,
+        [q, k, v],
+        &out,
+        &lse,
+        &problem,
+        None,
+        (bias, terms),
+        path,
+    )?;
+    Ok(ForwardOutput { out, lse, problem })
+}
+
 /// [`forward`] into caller-provided outputs: `out` `[b, h_q, s_q, d_v]` (dtype `dtype`) and
 /// `lse` `[b, h_q, s_q]` (f32), of any strides.
 #[allow(clippy::too_many_arguments)]
@@ -67,7 +99,8 @@ pub fn forward_into(
     let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
     expect_shape("out", out, &problem.out_shape())?;
     expect_shape("lse", lse, &problem.lse_shape())?;
-    launch(client, [q, k, v], out, lse, &problem, None, path)
+    let no_terms = (ScoreBias::none(), ScoreTerms::default());
+    launch(client, [q, k, v], out, lse, &problem, None, no_terms, path)
 }
 
 /// The forward pass of a packed batch of variable-length sequences (no padding): `q`
@@ -138,6 +171,7 @@ fn launch_packed(
         &batch_view(lse),
         problem,
         Some(sequences),
+        (ScoreBias::none(), ScoreTerms::default()),
         path,
     )
 }
@@ -184,8 +218,10 @@ pub(crate) fn packed_problem(
     )
 }
 
-/// Launches the forward kernel `plan` picks for `problem`, into `out` and `lse`; a packed
-/// batch's tensors are the kernels' `[1, heads, total, dim]` views.
+/// Launches the forward kernel `plan` picks for `problem`, into `out` and `lse`, adding the
+/// score terms `bias` (checked, as `terms`); a packed batch's tensors are the kernels' `[1,
+/// heads, total, dim]` views.
+#[allow(clippy::too_many_arguments)]
 fn launch(
     client: &Client,
     [q, k, v]: [&DeviceTensor; 3],
@@ -193,6 +229,7 @@ fn launch(
     lse: &DeviceTensor,
     problem: &AttentionProblem,
     packed: Option<(&PackedSequences, &PackedSequences)>,
+    (bias, terms): (ScoreBias<'_>, ScoreTerms),
     path: KernelPath,
 ) -> Result<(), FlashError> {
     let (problem, dtype) = (*problem, problem.dtype);
@@ -204,6 +241,7 @@ fn launch(
     let is_packed = packed.is_some();
     let limits = DeviceLimits::from_properties(client.properties());
     let (left, right) = window_args(&problem);
+    let [bias, slopes] = bias.args(client, q);
     match plan(path, &problem, &limits, [q, k, v])? {
         Plan::RegisterMma(config) => {
             let count = CubeCount::Static(
@@ -236,8 +274,11 @@ fn launch(
                     left,
                     right,
                     f32::NEG_INFINITY,
+                    bias.arg(),
+                    slopes.arg(),
                     config,
                     is_packed,
+                    terms,
                     dtype.elem_type(),
                 );
             }
@@ -266,8 +307,11 @@ fn launch(
                     left,
                     right,
                     f32::NEG_INFINITY,
+                    bias.arg(),
+                    slopes.arg(),
                     config,
                     is_packed,
+                    terms,
                     dtype.elem_type(),
                 );
             }
@@ -292,8 +336,11 @@ fn launch(
                     left,
                     right,
                     f32::NEG_INFINITY,
+                    bias.arg(),
+                    slopes.arg(),
                     config,
                     is_packed,
+                    terms,
                     dtype.elem_type(),
                 );
             }

@@ -8,6 +8,7 @@
 
 use cubecl::prelude::*;
 
+use crate::bias::{BiasLine, ScoreTerms};
 use crate::config::TileConfig;
 use crate::mask::Mask;
 use crate::score::score;
@@ -33,8 +34,11 @@ pub fn flash_forward<F: Float>(
     window_left: i32,
     window_right: i32,
     neg_inf: f32,
+    bias: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
+    #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = config.block_rows;
@@ -76,6 +80,16 @@ pub fn flash_forward<F: Float>(
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
     let row_i = i32::cast_from(row);
+    let terms_line = BiasLine::along_keys(
+        bias,
+        alibi_slopes,
+        sequence.batch,
+        head.head_q,
+        row,
+        seq_q,
+        seq_kv,
+        terms,
+    );
 
     for block in 0..blocks.count {
         let k0 = blocks.start(block, block_k);
@@ -97,7 +111,7 @@ pub fn flash_forward<F: Float>(
         );
         sync_cube();
 
-        // S = Q·Kᵀ · scale (softcapped), masked only in boundary blocks.
+        // S = Q·Kᵀ · scale (softcapped) + the terms, masked only in boundary blocks.
         let needs_mask = !mask.is_block_visible(
             i32::cast_from(q_begin),
             i32::cast_from(q_end),
@@ -108,6 +122,7 @@ pub fn flash_forward<F: Float>(
         for j in 0..block_k {
             let dot = dot_staged(&q_row, &k_tile, j * dim_qk, len_qk, dim_qk, config.columns);
             let mut s = score(dot, scale, softcap, config.softcap);
+            s = terms_line.add(bias, s, k0_u + j, 1.0, terms);
             if needs_mask && !mask.is_visible(row_i, k0 + i32::cast_from(j)) {
                 s = f32::new(MASKED);
             }

@@ -26,6 +26,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use crate::bias::{BiasLine, ScoreTerms, add_to_columns};
 use crate::config::{FRAGMENT, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
@@ -65,8 +66,11 @@ pub fn flash_forward_mma<F: Float>(
     window_left: i32,
     window_right: i32,
     neg_inf: f32,
+    bias: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
     #[comptime] config: RegisterMmaConfig,
     #[comptime] packed: bool,
+    #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
@@ -96,8 +100,11 @@ pub fn flash_forward_mma<F: Float>(
     // What multiplies a stored score (and row maximum) into the base-2 exponent: the scale
     // is folded into the exponent's multiply-add unless a softcap was applied first.
     let mut exponent_scale = scale_log2;
+    // What converts the terms into a stored score's units.
+    let mut terms_unit = 1.0 / scale;
     if comptime!(config.softcap) {
         exponent_scale = 1.0;
+        terms_unit = LOG2_E;
     }
 
     let lane = UNIT_POS_PLANE as usize;
@@ -346,6 +353,37 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
 
+        if comptime!(terms.any()) {
+            #[unroll]
+            for t in 0..m_tiles {
+                #[unroll]
+                for half in 0..2usize {
+                    let row = q_begin + plane_row + t * FRAGMENT + group + 8 * half;
+                    let line = BiasLine::along_keys(
+                        bias,
+                        alibi_slopes,
+                        sequence.batch,
+                        head.head_q,
+                        row,
+                        seq_q,
+                        seq_kv,
+                        terms,
+                    );
+                    let p0 = usize::cast_from(k0);
+                    add_to_columns(
+                        &mut s_acc,
+                        t * s_tiles,
+                        s_tiles,
+                        half,
+                        p0,
+                        &line,
+                        bias,
+                        terms_unit,
+                        terms,
+                    );
+                }
+            }
+        }
         let needs_mask = !mask.is_block_visible(
             i32::cast_from(q_begin),
             i32::cast_from(q_end),

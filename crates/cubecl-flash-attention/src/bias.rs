@@ -1,0 +1,375 @@
+//! Terms added to the scores after masking: an additive bias tensor and ALiBi.
+//!
+//! - The **bias** `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` broadcasts over each dimension of
+//!   size 1. A bias of −∞ hides its key, which is how boolean masks reach the kernels; a
+//!   row that every key's bias hides gives `O = 0` and `LSE = −∞`, as a row the causal
+//!   mask hides.
+//! - **ALiBi** adds `−slope · |i + s_kv − s_q − j|` (bottom-right aligned, as the masks and
+//!   FlashAttention-2), with slopes `[b | 1, h_q]` in f32.
+//!
+//! The score the softmax sees is `softcap(q·k · scale) + bias + alibi`, as in the
+//! [`crate::reference`] oracle. The gradient of the bias is `dS = P ⊙ (dP − D)`: the
+//! backward's dQ kernels write it where they form `dS`, each element once, or add it up
+//! (a 32-bit compare-and-swap loop, which every runtime has) where the bias broadcasts.
+//!
+//! Each kernel reads the terms of one line of the score matrix at a time: a query row
+//! against the keys ([`BiasLine::along_keys`]) or, in the dK/dV kernels that hold `Sᵀ`, a
+//! key against the queries ([`BiasLine::along_queries`]).
+
+use cubecl::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::error::FlashError;
+use crate::launch::DeviceTensor;
+use crate::mma_sync::Pair;
+use crate::problem::AttentionProblem;
+use crate::softmax::MASKED;
+
+/// Which terms a kernel adds to the scores: compiled in, nothing runs for an absent one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ScoreTerms {
+    /// An additive bias tensor.
+    pub bias: bool,
+    /// ALiBi slopes.
+    pub alibi: bool,
+    /// The dQ kernels write `d(bias)`.
+    pub bias_grad: bool,
+    /// Some dimension of the bias broadcasts: `d(bias)` is a sum, added up atomically.
+    pub bias_grad_sums: bool,
+}
+
+impl ScoreTerms {
+    /// Whether any term is added.
+    pub fn any(&self) -> bool {
+        self.bias || self.alibi
+    }
+}
+
+/// The terms' tensors on the host. Absent ones are `None`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScoreBias<'a> {
+    /// `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` in the dtype of Q, any strides.
+    pub bias: Option<&'a DeviceTensor>,
+    /// `[b | 1, h_q]`, f32.
+    pub alibi_slopes: Option<&'a DeviceTensor>,
+}
+
+impl ScoreBias<'_> {
+    /// No terms.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// The kernels' `bias` and `alibi_slopes` arguments: the tensors, or for an absent one
+    /// `like` (a tensor of the bias's dtype, never read) and a one-element f32 tensor.
+    pub(crate) fn args(&self, client: &Client, like: &DeviceTensor) -> [DeviceTensor; 2] {
+        [
+            self.bias.unwrap_or(like).clone(),
+            self.alibi_slopes
+                .cloned()
+                .unwrap_or_else(|| DeviceTensor::empty(client, &[1, 1], 4)),
+        ]
+    }
+
+    /// The terms, their tensors checked against `problem`; `bias_grad` asks the backward
+    /// for `d(bias)`.
+    pub fn terms(
+        &self,
+        problem: &AttentionProblem,
+        bias_grad: bool,
+    ) -> Result<ScoreTerms, FlashError> {
+        let full = [
+            problem.batch,
+            problem.heads_q,
+            problem.seq_q,
+            problem.seq_kv,
+        ];
+        let mut terms = ScoreTerms::default();
+        if let Some(bias) = self.bias {
+            let fits = bias.shape.len() == 4
+                && bias.shape.iter().zip(full).all(|(&n, f)| n == f || n == 1);
+            if !fits {
+                return Err(FlashError::Shape {
+                    arg: "bias",
+                    shape: bias.shape.clone(),
+                    expected: format!(
+                        "[{} | 1, {} | 1, {} | 1, {} | 1] (batch, query heads, queries, keys)",
+                        full[0], full[1], full[2], full[3]
+                    ),
+                });
+            }
+            terms.bias = true;
+            terms.bias_grad = bias_grad;
+            terms.bias_grad_sums = bias_grad && bias.shape.iter().zip(full).any(|(&n, f)| n < f);
+        } else if bias_grad {
+            return Err(FlashError::Option {
+                arg: "bias_grad",
+                expected: "a bias tensor to differentiate".into(),
+            });
+        }
+        if let Some(slopes) = self.alibi_slopes {
+            let fits = slopes.shape.len() == 2
+                && (slopes.shape[0] == problem.batch || slopes.shape[0] == 1)
+                && slopes.shape[1] == problem.heads_q;
+            if !fits {
+                return Err(FlashError::Shape {
+                    arg: "alibi_slopes",
+                    shape: slopes.shape.clone(),
+                    expected: format!("[{} | 1, {}] (batch, query heads)", full[0], full[1]),
+                });
+            }
+            terms.alibi = true;
+        }
+        Ok(terms)
+    }
+}
+
+/// The terms of one line of the score matrix of one (batch, query head): a query row
+/// against every key, or a key against every query. Position `p` along the line reads the
+/// bias at `offset + min(p, last) · stride` (clamped: positions past the sequence's end
+/// are masked by the caller) and is `|p − center|` from the ALiBi diagonal.
+#[derive(CubeType, Clone, Copy)]
+pub struct BiasLine {
+    offset: usize,
+    stride: usize,
+    last: usize,
+    slope: f32,
+    center: i32,
+}
+
+/// Index of `(batch, head, row, col)` in a tensor broadcast over its size-1 dimensions.
+#[cube]
+fn broadcast_index<E: CubePrimitive>(
+    t: &Tensor<E>,
+    batch: usize,
+    head: usize,
+    row: usize,
+    col: usize,
+) -> usize {
+    broadcast_step(t.shape(0), t.stride(0), batch)
+        + broadcast_step(t.shape(1), t.stride(1), head)
+        + broadcast_step(t.shape(2), t.stride(2), row)
+        + broadcast_step(t.shape(3), t.stride(3), col)
+}
+
+/// Offset of index `i` along a dimension of `size` and `stride` (0 where it broadcasts).
+#[cube]
+fn broadcast_step(size: usize, stride: usize, i: usize) -> usize {
+    select(size == 1, 0usize, i) * stride
+}
+
+#[cube]
+fn slope_of(slopes: &Tensor<f32>, batch: usize, head: usize, #[comptime] terms: ScoreTerms) -> f32 {
+    let mut slope = 0.0f32;
+    if comptime!(terms.alibi) {
+        let b = select(slopes.shape(0) == 1, 0usize, batch);
+        slope = slopes[b * slopes.stride(0) + head * slopes.stride(1)];
+    }
+    slope
+}
+
+#[cube]
+impl BiasLine {
+    /// Query `row` of `(batch, head)` against the keys.
+    #[allow(clippy::too_many_arguments)]
+    pub fn along_keys<E: CubePrimitive>(
+        bias: &Tensor<E>,
+        slopes: &Tensor<f32>,
+        batch: usize,
+        head: usize,
+        row: usize,
+        seq_q: usize,
+        seq_kv: usize,
+        #[comptime] terms: ScoreTerms,
+    ) -> BiasLine {
+        let mut line = BiasLine {
+            offset: 0usize,
+            stride: 0usize,
+            last: 0usize,
+            slope: slope_of(slopes, batch, head, terms),
+            center: i32::cast_from(row + seq_kv) - i32::cast_from(seq_q),
+        };
+        if comptime!(terms.bias) {
+            line.offset = broadcast_index(bias, batch, head, min(row, seq_q - 1), 0usize);
+            line.stride = broadcast_step(bias.shape(3), bias.stride(3), 1usize);
+            line.last = seq_kv - 1;
+        }
+        line
+    }
+
+    /// Key `key` of `(batch, head)` against the queries.
+    #[allow(clippy::too_many_arguments)]
+    pub fn along_queries<E: CubePrimitive>(
+        bias: &Tensor<E>,
+        slopes: &Tensor<f32>,
+        batch: usize,
+        head: usize,
+        key: usize,
+        seq_q: usize,
+        seq_kv: usize,
+        #[comptime] terms: ScoreTerms,
+    ) -> BiasLine {
+        let mut line = BiasLine {
+            offset: 0usize,
+            stride: 0usize,
+            last: 0usize,
+            slope: slope_of(slopes, batch, head, terms),
+            center: i32::cast_from(key + seq_q) - i32::cast_from(seq_kv),
+        };
+        if comptime!(terms.bias) {
+            line.offset = broadcast_index(bias, batch, head, 0usize, min(key, seq_kv - 1));
+            line.stride = broadcast_step(bias.shape(2), bias.stride(2), 1usize);
+            line.last = seq_q - 1;
+        }
+        line
+    }
+
+    /// The terms at position `p` of the line (0 without terms).
+    pub fn at<F: Float>(&self, bias: &Tensor<F>, p: usize, #[comptime] terms: ScoreTerms) -> f32 {
+        let mut value = 0.0f32;
+        if comptime!(terms.bias) {
+            value = f32::cast_from(bias[self.offset + min(p, self.last) * self.stride]);
+        }
+        if comptime!(terms.alibi) {
+            value -= self.slope * f32::cast_from(Abs::abs(i32::cast_from(p) - self.center));
+        }
+        value
+    }
+
+    /// Score `s` plus the terms at position `p`, in units of `unit` per natural-log unit
+    /// (1 for scores as the softmax sees them); a bias of −∞ gives [`MASKED`].
+    pub fn add<F: Float>(
+        &self,
+        bias: &Tensor<F>,
+        s: f32,
+        p: usize,
+        unit: f32,
+        #[comptime] terms: ScoreTerms,
+    ) -> f32 {
+        let mut s = s;
+        if comptime!(terms.any()) {
+            s = max(s + self.at(bias, p, terms) * unit, f32::new(MASKED));
+        }
+        s
+    }
+}
+
+/// Where one query row's `d(bias)` goes: `dbias` holds f32 bits, zeroed, in the shape of
+/// the bias (contiguous).
+#[derive(CubeType, Clone, Copy)]
+pub struct BiasGradLine {
+    offset: usize,
+    stride: usize,
+}
+
+#[cube]
+impl BiasGradLine {
+    /// Query `row` of `(batch, head)`.
+    pub fn along_keys(
+        dbias: &mut Tensor<Atomic<u32>>,
+        batch: usize,
+        head: usize,
+        row: usize,
+    ) -> BiasGradLine {
+        BiasGradLine {
+            offset: broadcast_step(dbias.shape(0), dbias.stride(0), batch)
+                + broadcast_step(dbias.shape(1), dbias.stride(1), head)
+                + broadcast_step(dbias.shape(2), dbias.stride(2), row),
+            stride: broadcast_step(dbias.shape(3), dbias.stride(3), 1usize),
+        }
+    }
+
+    /// Adds `ds` at key `key` (stores it where nothing else lands there).
+    pub fn add(
+        &self,
+        dbias: &mut Tensor<Atomic<u32>>,
+        key: usize,
+        ds: f32,
+        #[comptime] terms: ScoreTerms,
+    ) {
+        let cell = &dbias[self.offset + key * self.stride];
+        if comptime!(terms.bias_grad_sums) {
+            // f32 addition by compare-and-swap on the bits (WGSL has no f32 atomics).
+            let mut old = cell.load();
+            loop {
+                let new = u32::reinterpret(f32::reinterpret(old) + ds);
+                let seen = cell.compare_exchange_weak(old, new);
+                if seen == old {
+                    break;
+                }
+                old = seen;
+            }
+        } else {
+            cell.store(u32::reinterpret(ds));
+        }
+    }
+}
+
+/// `LSE` as the backward uses it: a row the forward found fully hidden (`LSE = −∞`)
+/// becomes `+BIG`, so that `exp(s − LSE)` is 0 for every score, hidden or not; the terms can
+/// hide a row whose keys the causal and window masks leave visible.
+#[cube]
+pub fn backward_lse(lse: f32) -> f32 {
+    select(lse < f32::new(MASKED), f32::new(-MASKED), lse)
+}
+
+/// Adds one line's terms to the lane's elements of accumulator tiles side by side, in the
+/// layout of [`crate::mma_sync::hide_columns`]: pairs `2 · (first + n) + half` hold
+/// positions `p0 + 8n + 2 · (lane % 4)` and the next one. `unit` converts natural-log
+/// units into the accumulator's.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn add_to_columns<F: Float>(
+    acc: &mut Array<Pair<f32>>,
+    first: usize,
+    #[comptime] tiles: usize,
+    half: usize,
+    p0: usize,
+    line: &BiasLine,
+    bias: &Tensor<F>,
+    unit: f32,
+    #[comptime] terms: ScoreTerms,
+) {
+    let in_group = UNIT_POS_PLANE as usize % 4;
+    #[unroll]
+    for n in 0..tiles {
+        let at = 2 * (first + n) + half;
+        let mut pair = acc[at];
+        #[unroll]
+        for e in 0..2usize {
+            let p = p0 + n * 8 + 2 * in_group + e;
+            pair.insert(e, line.add(bias, pair.extract(e), p, unit, terms));
+        }
+        acc[at] = pair;
+    }
+}
+
+/// Adds `P ⊙ (dP − D)`, the lane's elements of accumulator tiles side by side (the layout
+/// of [`add_to_columns`]) of one query row, to `d(bias)` at keys `p0 + …` below `end`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn add_grad_columns(
+    dbias: &mut Tensor<Atomic<u32>>,
+    p: &Array<Pair<f32>>,
+    dp_minus_d: &Array<Pair<f32>>,
+    #[comptime] tiles: usize,
+    half: usize,
+    p0: usize,
+    end: usize,
+    line: &BiasGradLine,
+    #[comptime] terms: ScoreTerms,
+) {
+    let in_group = UNIT_POS_PLANE as usize % 4;
+    #[unroll]
+    for n in 0..tiles {
+        let at = 2 * n + half;
+        #[unroll]
+        for e in 0..2usize {
+            let key = p0 + n * 8 + 2 * in_group + e;
+            if key < end {
+                let ds = p[at].extract(e) * dp_minus_d[at].extract(e);
+                line.add(dbias, key, ds, terms);
+            }
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! Attention with terms added to the scores: an additive bias (trainable), a boolean mask
+//! and ALiBi, fused into the kernels forward and backward.
+
+use burn::backend::Dispatch;
+use burn::tensor::{Bool, DType, Tensor};
+
+use cubecl_flash_attention::AttentionProblem;
+
+use crate::attention::{fused_kernels_take, validate};
+use crate::fallback;
+use crate::ops::FlashAttentionOps;
+use crate::options::{BiasedOptions, FlashAttentionOptions};
+
+/// What [`flash_attention_biased`] adds to the scores `softcap(q·kᵀ · scale)` after the
+/// causal and window masks, each term broadcast as `[batch | 1, heads_q | 1, seq_q | 1,
+/// seq_kv | 1]`:
+///
+/// ```
+/// # use burn::tensor::{Bool, DType, Tensor};
+/// # use burn_flash_attention::AttentionBias;
+/// # fn example(bias: Tensor<4>, key_padding: Tensor<2, Bool>, slopes: Tensor<1>) {
+/// let terms = AttentionBias::new()
+///     .with_bias(bias) // any float dtype; its gradient flows under autodiff
+///     .with_key_padding(key_padding) // `[batch, seq_kv]`, `true` = padding
+///     .with_alibi(slopes.unsqueeze()); // `[1, heads_q]` or `[batch, heads_q]`
+/// # }
+/// ```
+///
+/// - `bias`: added as is; it may be tracked by autodiff, and its gradient is summed over the
+///   dimensions where it broadcasts. −∞ hides a key.
+/// - `mask`: `true` hides a key (Burn's convention), as −∞ added to the bias.
+/// - ALiBi `slopes` `[batch | 1, heads_q]`: adds `−slope · |i + seq_kv − seq_q − j|`
+///   (bottom-right aligned, as FlashAttention-2); not differentiated.
+///
+/// A query row whose every key is hidden gives a zero output, LSE −∞ and zero gradients.
+#[derive(Clone, Debug, Default)]
+pub struct AttentionBias {
+    bias: Option<Tensor<4>>,
+    mask: Option<Tensor<4, Bool>>,
+    alibi_slopes: Option<Tensor<2>>,
+}
+
+impl AttentionBias {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An additive bias `[batch | 1, heads_q | 1, seq_q | 1, seq_kv | 1]`; a second call
+    /// adds to the first.
+    pub fn with_bias(mut self, bias: Tensor<4>) -> Self {
+        self.bias = Some(match self.bias {
+            Some(previous) => previous.add(bias),
+            None => bias,
+        });
+        self
+    }
+
+    /// A boolean mask `[batch | 1, heads_q | 1, seq_q | 1, seq_kv | 1]`, `true` where a key
+    /// is hidden; a second call hides the keys of either.
+    pub fn with_mask(mut self, mask: Tensor<4, Bool>) -> Self {
+        self.mask = Some(match self.mask {
+            Some(previous) => previous.bool_or(mask),
+            None => mask,
+        });
+        self
+    }
+
+    /// A key padding mask `[batch, seq_kv]`, `true` for padding.
+    pub fn with_key_padding(self, padding: Tensor<2, Bool>) -> Self {
+        let [batch, seq_kv] = padding.dims();
+        self.with_mask(padding.reshape([batch, 1, 1, seq_kv]))
+    }
+
+    /// ALiBi slopes `[batch | 1, heads_q]`.
+    pub fn with_alibi(mut self, slopes: Tensor<2>) -> Self {
+        self.alibi_slopes = Some(slopes);
+        self
+    }
+
+    /// The bias with the mask folded in as −∞, in `dtype`.
+    fn folded_bias(self, dtype: burn::tensor::DType) -> (Option<Tensor<4>>, Option<Tensor<2>>) {
+        let mask = self.mask.map(|mask| {
+            Tensor::<4>::zeros(mask.shape(), (&mask.device(), dtype))
+                .mask_fill(mask, f32::NEG_INFINITY)
+        });
+        let bias = match (self.bias.map(|b| b.cast(dtype)), mask) {
+            (Some(bias), Some(mask)) => Some(bias.add(mask)),
+            (bias, mask) => bias.or(mask),
+        };
+        (bias, self.alibi_slopes)
+    }
+}
+
+/// [`flash_attention`](crate::flash_attention) with `terms` added to the scores (see
+/// [`AttentionBias`]): fused on CUDA, ROCm and wgpu devices, forward and backward, with the
+/// bias's gradient when it is tracked. Only the bias itself and its gradient take
+/// `[s_q, s_kv]` memory, never the scores.
+///
+/// # Panics
+/// On mismatched shapes, dtypes or devices, with a message naming the argument.
+pub fn flash_attention_biased(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    terms: AttentionBias,
+    options: FlashAttentionOptions,
+) -> Tensor<4> {
+    flash_attention_biased_with_lse(q, k, v, terms, options).0
+}
+
+/// [`flash_attention_biased`], also returning the natural-log LSE of every query row
+/// `[batch, heads_q, seq_q]` in f32 (−∞ where a row sees no key), not tracked by autodiff.
+pub fn flash_attention_biased_with_lse(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    terms: AttentionBias,
+    options: FlashAttentionOptions,
+) -> (Tensor<4>, Tensor<3>) {
+    let problem = validate(&q, &k, &v, &options);
+    check_terms(&problem, &terms, &q);
+    let (bias, slopes) = terms.folded_bias(q.dtype());
+    if !fused_kernels_take(&q.device(), &problem) {
+        return fallback::attention_biased(q, k, v, bias, slopes, &options);
+    }
+    let options = BiasedOptions {
+        attention: options,
+        bias: bias.is_some(),
+        alibi: slopes.is_some(),
+        bias_grad: false,
+    };
+    // Absent terms pass untracked placeholders the kernels never read.
+    let bias = bias.unwrap_or_else(|| q.clone().detach());
+    let slopes = slopes.unwrap_or_else(|| Tensor::zeros([1, 1], (&q.device(), DType::F32)));
+    let (o, lse) = <Dispatch as FlashAttentionOps>::flash_attention_biased_fwd(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        bias.into_dispatch(),
+        slopes.detach().into_dispatch(),
+        options,
+    );
+    (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
+}
+
+/// Panics, naming the argument, unless the bias and the mask broadcast to the scores `[b,
+/// h_q, s_q, s_kv]`, the slopes are `[b | 1, h_q]`, and all are on the device of `q`.
+fn check_terms(problem: &AttentionProblem, terms: &AttentionBias, q: &Tensor<4>) {
+    let full = [
+        problem.batch,
+        problem.heads_q,
+        problem.seq_q,
+        problem.seq_kv,
+    ];
+    let device = q.device();
+    let tensors = [
+        terms.bias.as_ref().map(|t| ("bias", t.dims(), t.device())),
+        terms.mask.as_ref().map(|t| ("mask", t.dims(), t.device())),
+    ];
+    for (arg, dims, t_device) in tensors.into_iter().flatten() {
+        assert!(
+            dims.iter().zip(full).all(|(&n, f)| n == f || n == 1),
+            "flash_attention_biased: `{arg}` has shape {dims:?}, expected [{} | 1, {} | 1, {} \
+             | 1, {} | 1] (batch, query heads, queries, keys)",
+            full[0],
+            full[1],
+            full[2],
+            full[3]
+        );
+        assert!(
+            t_device == device,
+            "flash_attention_biased: `{arg}` is on device {t_device:?}, expected {device:?} \
+             (the device of `q`)"
+        );
+    }
+    if let Some(slopes) = &terms.alibi_slopes {
+        let [b, h] = slopes.dims();
+        assert!(
+            (b == full[0] || b == 1) && h == full[1],
+            "flash_attention_biased: `alibi_slopes` has shape [{b}, {h}], expected [{} | 1, {}] \
+             (batch, query heads)",
+            full[0],
+            full[1]
+        );
+        assert!(
+            slopes.device() == device,
+            "flash_attention_biased: `alibi_slopes` is on device {:?}, expected {device:?} (the \
+             device of `q`)",
+            slopes.device()
+        );
+    }
+}
