@@ -134,7 +134,7 @@ pub struct BiasLine {
     stride: usize,
     last: usize,
     slope: f32,
-    center: i32,
+    center: f32,
 }
 
 /// Index of `(batch, head, row, col)` in a tensor broadcast over its size-1 dimensions.
@@ -187,7 +187,7 @@ impl BiasLine {
             stride: 0usize,
             last: 0usize,
             slope: slope_of(slopes, batch, head, terms),
-            center: i32::cast_from(row + seq_kv) - i32::cast_from(seq_q),
+            center: f32::cast_from(row + seq_kv) - f32::cast_from(seq_q),
         };
         if comptime!(terms.bias) {
             line.offset = broadcast_index(bias, batch, head, min(row, seq_q - 1), 0usize);
@@ -214,7 +214,7 @@ impl BiasLine {
             stride: 0usize,
             last: 0usize,
             slope: slope_of(slopes, batch, head, terms),
-            center: i32::cast_from(key + seq_q) - i32::cast_from(seq_kv),
+            center: f32::cast_from(key + seq_q) - f32::cast_from(seq_kv),
         };
         if comptime!(terms.bias) {
             line.offset = broadcast_index(bias, batch, head, 0usize, min(key, seq_kv - 1));
@@ -224,6 +224,25 @@ impl BiasLine {
         line
     }
 
+    /// Where the line starts in the bias and its ALiBi center: with [`BiasLine::moved_to`],
+    /// what a kernel keeps per line across its loop (the rest is the same on every line of a
+    /// head).
+    pub fn start(&self) -> (usize, f32) {
+        (self.offset, self.center)
+    }
+
+    /// This line's stride, bounds and slope at another start (from [`BiasLine::start`]).
+    pub fn moved_to(&self, start: (usize, f32)) -> BiasLine {
+        let (offset, center) = start;
+        BiasLine {
+            offset,
+            stride: self.stride,
+            last: self.last,
+            slope: self.slope,
+            center,
+        }
+    }
+
     /// The terms at position `p` of the line (0 without terms).
     pub fn at<F: Float>(&self, bias: &Tensor<F>, p: usize, #[comptime] terms: ScoreTerms) -> f32 {
         let mut value = 0.0f32;
@@ -231,7 +250,7 @@ impl BiasLine {
             value = f32::cast_from(bias[self.offset + min(p, self.last) * self.stride]);
         }
         if comptime!(terms.alibi) {
-            value -= self.slope * f32::cast_from(Abs::abs(i32::cast_from(p) - self.center));
+            value -= self.slope * Abs::abs(f32::cast_from(p) - self.center);
         }
         value
     }
@@ -316,7 +335,8 @@ pub fn backward_lse(lse: f32) -> f32 {
 /// Adds one line's terms to the lane's elements of accumulator tiles side by side, in the
 /// layout of [`crate::mma_sync::hide_columns`]: pairs `2 · (first + n) + half` hold
 /// positions `p0 + 8n + 2 · (lane % 4)` and the next one. `unit` converts natural-log
-/// units into the accumulator's.
+/// units into the accumulator's. ALiBi costs an add and a multiply-add per score: the
+/// distance from the diagonal is counted in f32 from the lane's first position.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn add_to_columns<F: Float>(
@@ -330,15 +350,26 @@ pub fn add_to_columns<F: Float>(
     unit: f32,
     #[comptime] terms: ScoreTerms,
 ) {
-    let in_group = UNIT_POS_PLANE as usize % 4;
+    let lane_p0 = p0 + 2 * (UNIT_POS_PLANE as usize % 4);
+    let from_center = f32::cast_from(lane_p0) - line.center;
+    let slope = line.slope * unit;
     #[unroll]
     for n in 0..tiles {
         let at = 2 * (first + n) + half;
         let mut pair = acc[at];
         #[unroll]
         for e in 0..2usize {
-            let p = p0 + n * 8 + 2 * in_group + e;
-            pair.insert(e, line.add(bias, pair.extract(e), p, unit, terms));
+            let offset = n * 8 + e;
+            let mut s = pair.extract(e);
+            if comptime!(terms.bias) {
+                let p = lane_p0 + offset;
+                let b = f32::cast_from(bias[line.offset + min(p, line.last) * line.stride]);
+                s = max(s + b * unit, f32::new(MASKED));
+            }
+            if comptime!(terms.alibi) {
+                s -= slope * Abs::abs(from_center + f32::cast_from(offset));
+            }
+            pair.insert(e, s);
         }
         acc[at] = pair;
     }

@@ -135,6 +135,40 @@ pub fn flash_forward_mma<F: Float>(
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     let blocks = mask.key_blocks(q_begin, q_end, block_kv, config.masked);
+    // The score terms of the lane's rows `2 · tile + half`: where each row starts in the
+    // bias and its ALiBi center, kept across the key blocks (a token array without terms).
+    let terms_rows = comptime!(if terms.any() { 2 * m_tiles } else { 1 });
+    let mut line_offset = Array::<usize>::new(terms_rows);
+    let mut line_center = Array::<f32>::new(terms_rows);
+    let terms_line = BiasLine::along_keys(
+        bias,
+        alibi_slopes,
+        sequence.batch,
+        head.head_q,
+        q_begin + plane_row + group,
+        seq_q,
+        seq_kv,
+        terms,
+    );
+    if comptime!(terms.any()) {
+        #[unroll]
+        for r in 0..comptime!(2 * m_tiles) {
+            let row = q_begin + plane_row + (r / 2) * FRAGMENT + group + 8 * (r % 2);
+            let line = BiasLine::along_keys(
+                bias,
+                alibi_slopes,
+                sequence.batch,
+                head.head_q,
+                row,
+                seq_q,
+                seq_kv,
+                terms,
+            );
+            let (offset, center) = line.start();
+            line_offset[r] = offset;
+            line_center[r] = center;
+        }
+    }
 
     // Accumulators: the output and the scores of the plane's query tiles, and the softmax
     // state of the lane's rows (`2 · tile + half`, half 0 for row g, 1 for row g + 8).
@@ -355,35 +389,24 @@ pub fn flash_forward_mma<F: Float>(
 
         if comptime!(terms.any()) {
             #[unroll]
-            for t in 0..m_tiles {
-                #[unroll]
-                for half in 0..2usize {
-                    let row = q_begin + plane_row + t * FRAGMENT + group + 8 * half;
-                    let line = BiasLine::along_keys(
-                        bias,
-                        alibi_slopes,
-                        sequence.batch,
-                        head.head_q,
-                        row,
-                        seq_q,
-                        seq_kv,
-                        terms,
-                    );
-                    let p0 = usize::cast_from(k0);
-                    add_to_columns(
-                        &mut s_acc,
-                        t * s_tiles,
-                        s_tiles,
-                        half,
-                        p0,
-                        &line,
-                        bias,
-                        terms_unit,
-                        terms,
-                    );
-                }
+            for r in 0..comptime!(2 * m_tiles) {
+                let line = terms_line.moved_to((line_offset[r], line_center[r]));
+                let p0 = usize::cast_from(k0);
+                let (t, half) = (r / 2, r % 2);
+                add_to_columns(
+                    &mut s_acc,
+                    t * s_tiles,
+                    s_tiles,
+                    half,
+                    p0,
+                    &line,
+                    bias,
+                    terms_unit,
+                    terms,
+                );
             }
         }
+
         let needs_mask = !mask.is_block_visible(
             i32::cast_from(q_begin),
             i32::cast_from(q_end),
