@@ -116,6 +116,40 @@ pub fn flash_backward_dq_mma<F: Float>(
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
+    // The score terms of the lane's rows g and g + 8: where each starts in the bias and its
+    // ALiBi center, kept across the key blocks (token arrays without terms).
+    let terms_rows = comptime!(if terms.any() { 2usize } else { 1 });
+    let mut line_offset = Array::<usize>::new(terms_rows);
+    let mut line_center = Array::<f32>::new(terms_rows);
+    let terms_line = BiasLine::along_keys(
+        bias,
+        alibi_slopes,
+        batch,
+        head.head_q,
+        q_begin + plane_row + group,
+        seq_q,
+        seq_kv,
+        terms,
+    );
+    if comptime!(terms.any()) {
+        #[unroll]
+        for half in 0..2usize {
+            let row = q_begin + plane_row + group + 8 * half;
+            let line = BiasLine::along_keys(
+                bias,
+                alibi_slopes,
+                batch,
+                head.head_q,
+                row,
+                seq_q,
+                seq_kv,
+                terms,
+            );
+            let (offset, center) = line.start();
+            line_offset[half] = offset;
+            line_center[half] = center;
+        }
+    }
 
     let mut dq_acc = zeros(comptime!(2 * dq_tiles));
     let mut s_acc = zeros(comptime!(2 * s_tiles));
@@ -329,17 +363,7 @@ pub fn flash_backward_dq_mma<F: Float>(
             }
             #[unroll]
             for half in 0..2usize {
-                let row = q_begin + plane_row + group + 8 * half;
-                let line = BiasLine::along_keys(
-                    bias,
-                    alibi_slopes,
-                    batch,
-                    head.head_q,
-                    row,
-                    seq_q,
-                    seq_kv,
-                    terms,
-                );
+                let line = terms_line.moved_to((line_offset[half], line_center[half]));
                 add_to_columns(
                     &mut logits,
                     0,
