@@ -26,7 +26,9 @@ pub struct FlashAttentionOptions {
     /// default the register-level (CUDA sm_80+) backward of query sequences of 8192 or more
     /// adds `dQ` up with f32 atomics, whose order varies; with this flag it computes `dQ` in a
     /// pass of its own instead (7 matrix products per block pair instead of 5). Other paths
-    /// and shorter sequences never use atomics.
+    /// and shorter sequences never use atomics. The gradient of a bias that broadcasts
+    /// ([`flash_attention_biased`](crate::flash_attention_biased)) is summed by atomics too;
+    /// with this flag, from its whole `[b, h_q, s_q, s_kv]` form in a fixed order instead.
     pub deterministic: bool,
 }
 

@@ -89,6 +89,19 @@ fn cases() -> Vec<TermsCase> {
             alibi: Alibi::None,
             grad: true,
         },
+        // A deterministic backward: the broadcast bias's gradient added up in a pass of its
+        // own (over the batch and the queries here).
+        TermsCase {
+            case: Case {
+                deterministic: true,
+                causal: true,
+                ..case(dims(2, 2, 2, 24, 31, 32, 32))
+            },
+            bias: Some([1, 2, 1, 31]),
+            hidden: |_, _, _, j| j == 3,
+            alibi: Alibi::None,
+            grad: true,
+        },
         // ALiBi alone, no gradient asked.
         TermsCase {
             case: Case {
@@ -331,6 +344,59 @@ fn score_terms_match_the_oracle_on_every_path() {
                 check(&client, &t, dtype, path);
             }
         }
+    }
+}
+
+/// With `deterministic`, a broadcast bias's gradient is bitwise the same from run to run.
+#[test]
+fn a_deterministic_bias_gradient_is_bitwise_reproducible() {
+    let client = common::client();
+    let dtype = FloatDtype::F32;
+    let d = dims(2, 4, 2, 40, 40, 32, 32);
+    let (_, mut rng) = common::rng();
+    let up = |rng: &mut rand::rngs::StdRng, shape: [usize; 4]| {
+        let n = shape.iter().product();
+        upload(&client, &common::randn(rng, n, dtype), &shape, dtype)
+    };
+    let q = up(&mut rng, [2, 4, 40, 32]);
+    let k = up(&mut rng, [2, 2, 40, 32]);
+    let v = up(&mut rng, [2, 2, 40, 32]);
+    let d_out = up(&mut rng, [2, 4, 40, 32]);
+    let bias = up(&mut rng, [1, 1, 40, 40]);
+    let terms = ScoreBias {
+        bias: Some(&bias),
+        alibi_slopes: None,
+    };
+    let options = Case {
+        deterministic: true,
+        ..case(d)
+    }
+    .options();
+    let fwd = forward_biased(&client, &q, &k, &v, terms, dtype, options, KernelPath::Auto).unwrap();
+    let saved = Saved {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &fwd.out,
+        lse: &fwd.lse,
+    };
+    let run = || {
+        let (_, dbias) = backward_biased(
+            &client,
+            saved,
+            &d_out,
+            terms,
+            true,
+            dtype,
+            options,
+            KernelPath::Auto,
+        )
+        .unwrap();
+        client.read_one(dbias.unwrap().handle).unwrap()
+    };
+    let first = run();
+    for _ in 0..3 {
+        assert!(run() == first, "d(bias) differs between runs");
     }
 }
 

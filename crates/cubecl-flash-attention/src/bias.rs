@@ -404,3 +404,46 @@ pub fn add_grad_columns(
         }
     }
 }
+
+/// `d(bias)` of a deterministic backward where the bias broadcasts: the dQ kernels store the
+/// whole `[b, h_q, s_q, s_kv]` gradient (`full`, f32) and this kernel adds it up into `out`
+/// (f32, the bias's shape, contiguous), one unit per element of `out`, always in the same
+/// order.
+#[cube(launch_unchecked)]
+pub fn sum_bias_grad(full: &Tensor<f32>, out: &mut Tensor<f32>) {
+    let at = ABSOLUTE_POS;
+    if at >= out.len() {
+        terminate!();
+    }
+    // The element's coordinates in `out`, and how many positions of `full` fold into it.
+    let mut rest = at;
+    let mut coords = Array::<usize>::new(4usize);
+    let mut folded = 1usize;
+    #[unroll]
+    for dim in 0..4usize {
+        let d = 3 - dim;
+        coords[d] = rest % out.shape(d);
+        rest /= out.shape(d);
+        if out.shape(d) == 1 {
+            folded *= full.shape(d);
+        }
+    }
+    let mut sum = 0.0f32;
+    for n in 0..folded {
+        // The `n`-th combination of the folded dimensions' indices.
+        let mut left = n;
+        let mut index = 0usize;
+        #[unroll]
+        for dim in 0..4usize {
+            let d = 3 - dim;
+            let mut i = coords[d];
+            if out.shape(d) == 1 {
+                i = left % full.shape(d);
+                left /= full.shape(d);
+            }
+            index += i * full.stride(d);
+        }
+        sum += full[index];
+    }
+    out[at] = sum;
+}

@@ -7,6 +7,8 @@
 //!   of variable-length sequences ([`sequence`]);
 //! - [`decode::decode`]: serving, new queries against a contiguous or paged KV cache
 //!   (appended in place), the key range split over cubes;
+//! - [`forward::forward_biased`], [`backward::backward_biased`]: with terms added to the
+//!   scores ([`bias`]: a bias tensor, −∞ as a mask, ALiBi) and the bias's gradient;
 //! - [`reference`]: the f64 CPU oracle every kernel is tested against.
 //!
 //! Options: softmax scale, causal and sliding-window masks (bottom-right aligned), softcap,

@@ -26,7 +26,7 @@ use crate::backward::{
     flash_backward_dq, flash_backward_dq_cmma, flash_backward_dq_from_sum, flash_backward_dq_mma,
     register_backward_config,
 };
-use crate::bias::ScoreTerms;
+use crate::bias::{ScoreTerms, sum_bias_grad};
 use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
 use crate::decode::{
     append::append_to_cache,
@@ -672,6 +672,19 @@ fn kernels(
                 ))),
             ));
         }
+    }
+    // The deterministic sum of a broadcast bias's gradient, with the terms.
+    if terms.bias_grad_sums {
+        kernels.push((
+            "sum_bias_grad",
+            Ok(Box::new(sum_bias_grad::SumBiasGrad::new(
+                settings(256),
+                props.clone(),
+                tprops.clone(),
+                tensor(),
+                tensor(),
+            ))),
+        ));
     }
     // The D kernel works row by row, the same for packed batches.
     if !packed {

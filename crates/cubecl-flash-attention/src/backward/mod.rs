@@ -30,7 +30,7 @@ mod preprocess;
 
 use cubecl::prelude::*;
 
-use crate::bias::{ScoreBias, ScoreTerms};
+use crate::bias::{ScoreBias, ScoreTerms, sum_bias_grad};
 use crate::config::{
     DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, apply_tile_override,
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_backward_tiles,
@@ -122,7 +122,7 @@ pub fn backward_biased(
 ) -> Result<(Gradients, Option<DeviceTensor>), FlashError> {
     let Saved { q, k, v, .. } = saved;
     let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
-    let terms = bias.terms(&problem, bias_grad)?;
+    let mut terms = bias.terms(&problem, bias_grad)?;
     let dbias = bias
         .bias
         .filter(|_| bias_grad)
@@ -131,6 +131,18 @@ pub fn backward_biased(
         let shapes = [&q.shape[..], &k.shape[..], &v.shape[..]];
         return Ok((zero_gradients(client, shapes, dtype)?, dbias));
     }
+    // A deterministic backward adds a broadcast bias's gradient up in a pass of its own, in
+    // a fixed order, from the whole `[b, h_q, s_q, s_kv]` gradient (that much memory more).
+    let full_dbias = (options.deterministic && terms.bias_grad_sums).then(|| {
+        terms.bias_grad_sums = false;
+        let full = [
+            problem.batch,
+            problem.heads_q,
+            problem.seq_q,
+            problem.seq_kv,
+        ];
+        DeviceTensor::zeros_f32(client, &full)
+    });
     let grads = Gradients {
         dq: DeviceTensor::empty(client, &q.shape, dtype.size()),
         dk: DeviceTensor::empty(client, &k.shape, dtype.size()),
@@ -143,10 +155,23 @@ pub fn backward_biased(
         &problem.out_shape(),
         &problem.lse_shape(),
     )?;
-    let with_terms = (bias, terms, dbias.as_ref());
+    let with_terms = (bias, terms, full_dbias.as_ref().or(dbias.as_ref()));
     launch(
         client, saved, d_out, &grads, &problem, None, with_terms, path,
     )?;
+    if let (Some(full), Some(out)) = (&full_dbias, &dbias) {
+        let elements: usize = out.shape.iter().product();
+        let cube = 256u32;
+        unsafe {
+            sum_bias_grad::launch_unchecked(
+                client,
+                CubeCount::Static(elements.div_ceil(cube as usize) as u32, 1, 1),
+                CubeDim::new_1d(cube),
+                full.arg(),
+                out.arg(),
+            );
+        }
+    }
     Ok((grads, dbias))
 }
 
