@@ -375,6 +375,35 @@ pub fn add_to_columns<F: Float>(
     }
 }
 
+/// The backward kernels' scores in base 2 (`q·k · scale · log2 e`, or the softcap
+/// `cap · log2 e · tanh(q·k · scale / cap)`) from the products `dots`, into `logits`, where
+/// the terms are added next ([`add_to_columns`]).
+#[cube]
+pub fn base2_scores(
+    dots: &Array<Pair<f32>>,
+    logits: &mut Array<Pair<f32>>,
+    #[comptime] pairs: usize,
+    scale_log2: f32,
+    pre_cap: f32,
+    cap_log2: f32,
+    #[comptime] softcap: bool,
+) {
+    #[unroll]
+    for i in 0..pairs {
+        let mut pair = dots[i];
+        #[unroll]
+        for e in 0..2usize {
+            let dot = pair.extract(e);
+            let mut s = dot * scale_log2;
+            if comptime!(softcap) {
+                s = cap_log2 * (dot * pre_cap).tanh();
+            }
+            pair.insert(e, s);
+        }
+        logits[i] = pair;
+    }
+}
+
 /// Adds `P ⊙ (dP − D)`, the lane's elements of accumulator tiles side by side (the layout
 /// of [`add_to_columns`]) of one query row, to `d(bias)` at keys `p0 + …` below `end`.
 #[cube]

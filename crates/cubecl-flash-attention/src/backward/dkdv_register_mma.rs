@@ -30,7 +30,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use crate::bias::{BiasLine, ScoreTerms, add_to_columns};
+use crate::bias::{BiasLine, ScoreTerms, add_to_columns, base2_scores};
 use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
@@ -399,20 +399,15 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         let mut logits = zeros(comptime!(if terms.any() { 2 * s_tiles } else { 1 }));
         if comptime!(terms.any()) {
             let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
-            #[unroll]
-            for i in 0..comptime!(2 * s_tiles) {
-                let mut pair = s_acc[i];
-                #[unroll]
-                for e in 0..2usize {
-                    let dot = pair.extract(e);
-                    let mut s = dot * scale_log2;
-                    if comptime!(config.softcap) {
-                        s = cap_log2 * (dot * pre_cap).tanh();
-                    }
-                    pair.insert(e, s);
-                }
-                logits[i] = pair;
-            }
+            base2_scores(
+                &s_acc,
+                &mut logits,
+                comptime!(2 * s_tiles),
+                scale_log2,
+                pre_cap,
+                cap_log2,
+                config.softcap,
+            );
             #[unroll]
             for half in 0..2usize {
                 let key = k_begin + plane_row + group + 8 * half;

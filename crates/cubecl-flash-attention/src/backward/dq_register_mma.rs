@@ -19,7 +19,9 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use crate::bias::{BiasGradLine, BiasLine, ScoreTerms, add_grad_columns, add_to_columns};
+use crate::bias::{
+    BiasGradLine, BiasLine, ScoreTerms, add_grad_columns, add_to_columns, base2_scores,
+};
 use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::mask::Mask;
 use crate::mma_sync::{
@@ -347,20 +349,15 @@ pub fn flash_backward_dq_mma<F: Float>(
         let k0_u = usize::cast_from(k0);
         let mut logits = zeros(comptime!(if terms.any() { 2 * s_tiles } else { 1 }));
         if comptime!(terms.any()) {
-            #[unroll]
-            for i in 0..comptime!(2 * s_tiles) {
-                let mut pair = s_acc[i];
-                #[unroll]
-                for e in 0..2usize {
-                    let dot = pair.extract(e);
-                    let mut s = dot * scale_log2;
-                    if comptime!(config.softcap) {
-                        s = cap_log2 * (dot * pre_cap).tanh();
-                    }
-                    pair.insert(e, s);
-                }
-                logits[i] = pair;
-            }
+            base2_scores(
+                &s_acc,
+                &mut logits,
+                comptime!(2 * s_tiles),
+                scale_log2,
+                pre_cap,
+                cap_log2,
+                config.softcap,
+            );
             #[unroll]
             for half in 0..2usize {
                 let line = terms_line.moved_to((line_offset[half], line_center[half]));
