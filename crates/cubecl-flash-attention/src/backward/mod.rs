@@ -133,16 +133,24 @@ pub fn backward_biased(
     }
     // A deterministic backward adds a broadcast bias's gradient up in a pass of its own, in
     // a fixed order, from the whole `[b, h_q, s_q, s_kv]` gradient (that much memory more).
-    let full_dbias = (options.deterministic && terms.bias_grad_sums).then(|| {
+    let full = [
+        problem.batch,
+        problem.heads_q,
+        problem.seq_q,
+        problem.seq_kv,
+    ];
+    let mut full_dbias = None;
+    if let (true, Some(out)) = (options.deterministic && terms.bias_grad_sums, &dbias) {
+        // Each unit of the sum loops over the positions folded into its element.
+        let folded: usize = (0..4)
+            .filter(|&d| out.shape[d] == 1)
+            .map(|d| full[d])
+            .product();
+        let limits = DeviceLimits::from_properties(client.properties());
+        loop_budget::check("bias-gradient sum", folded as u64, &problem, &limits)?;
         terms.bias_grad_sums = false;
-        let full = [
-            problem.batch,
-            problem.heads_q,
-            problem.seq_q,
-            problem.seq_kv,
-        ];
-        DeviceTensor::zeros_f32(client, &full)
-    });
+        full_dbias = Some(DeviceTensor::zeros_f32(client, &full));
+    }
     let grads = Gradients {
         dq: DeviceTensor::empty(client, &q.shape, dtype.size()),
         dk: DeviceTensor::empty(client, &k.shape, dtype.size()),
