@@ -60,14 +60,16 @@ impl ScoreBias<'_> {
         Self::default()
     }
 
-    /// The kernels' `bias` and `alibi_slopes` arguments: the tensors, or for an absent one
-    /// `like` (a tensor of the bias's dtype, never read) and a one-element f32 tensor.
-    pub(crate) fn args(&self, client: &Client, like: &DeviceTensor) -> [DeviceTensor; 2] {
+    /// The kernels' `bias` and `alibi_slopes` arguments: the tensors, or for an absent one a
+    /// token the kernel never reads, `like_bias` (a tensor of the bias's dtype) or `like_f32`.
+    pub(crate) fn args(
+        &self,
+        like_bias: &DeviceTensor,
+        like_f32: &DeviceTensor,
+    ) -> [DeviceTensor; 2] {
         [
-            self.bias.unwrap_or(like).clone(),
-            self.alibi_slopes
-                .cloned()
-                .unwrap_or_else(|| DeviceTensor::empty(client, &[1, 1], 4)),
+            self.bias.unwrap_or(like_bias).clone(),
+            self.alibi_slopes.unwrap_or(like_f32).clone(),
         ]
     }
 

@@ -82,28 +82,8 @@ pub fn backward(
     options: AttentionOptions,
     path: KernelPath,
 ) -> Result<Gradients, FlashError> {
-    let problem = AttentionProblem::new(
-        &saved.q.shape,
-        &saved.k.shape,
-        &saved.v.shape,
-        dtype,
-        options,
-    )?;
-    if problem.is_empty() || problem.seq_kv == 0 {
-        // Nothing attends: every gradient is zero.
-        return zero_gradients(
-            client,
-            [&saved.q.shape, &saved.k.shape, &saved.v.shape],
-            dtype,
-        );
-    }
-    let grads = Gradients {
-        dq: DeviceTensor::empty(client, &saved.q.shape, dtype.size()),
-        dk: DeviceTensor::empty(client, &saved.k.shape, dtype.size()),
-        dv: DeviceTensor::empty(client, &saved.v.shape, dtype.size()),
-    };
-    backward_into(client, saved, d_out, &grads, dtype, options, path)?;
-    Ok(grads)
+    let none = ScoreBias::none();
+    backward_biased(client, saved, d_out, none, false, dtype, options, path).map(|(g, _)| g)
 }
 
 /// [`backward`] of [`crate::forward::forward_biased`]: the same score terms `bias`, and
@@ -355,10 +335,19 @@ fn launch(
     // The bias's gradient is written by the dQ kernels: no dQ folded into dK/dV by atomics.
     problem.options.deterministic |= terms.bias_grad;
     let plan = plan(path, &problem, &limits, [q, k, v, d_out])?;
-    let [bias, slopes] = bias.args(client, q);
-    let dbias = dbias
-        .cloned()
-        .unwrap_or_else(|| DeviceTensor::empty(client, &[1, 1, 1, 1], 4));
+    if let (Plan::Portable { dq, .. }, true) = (&plan, terms.bias_grad_sums) {
+        let iterations = loop_budget::dq_iterations(&problem, dq)
+            + loop_budget::bias_grad_sum_iterations(&problem, dq);
+        loop_budget::check(
+            "dQ (with the bias's gradient)",
+            iterations,
+            &problem,
+            &limits,
+        )?;
+    }
+    // Absent terms pass tokens the kernels never read.
+    let [bias, slopes] = bias.args(q, lse);
+    let dbias = dbias.unwrap_or(lse).clone();
     // With terms, the kernels read the LSE the delta kernel rewrites: rows the terms hide
     // completely (`LSE = −∞`) must give `P = 0`.
     let guarded_lse = terms
@@ -383,10 +372,7 @@ fn launch(
             d_out.arg(),
             delta.arg(),
             lse_in.arg(),
-            guarded_lse
-                .clone()
-                .unwrap_or_else(|| DeviceTensor::empty(client, &[1, 1, 1], 4))
-                .arg(),
+            guarded_lse.as_ref().unwrap_or(lse_in).arg(),
             problem.dim_v,
             delta_rows,
             terms.any(),

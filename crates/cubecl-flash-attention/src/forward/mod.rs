@@ -44,11 +44,7 @@ pub fn forward(
     options: AttentionOptions,
     path: KernelPath,
 ) -> Result<ForwardOutput, FlashError> {
-    let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
-    let out = DeviceTensor::empty(client, &problem.out_shape(), dtype.size());
-    let lse = DeviceTensor::empty(client, &problem.lse_shape(), 4);
-    forward_into(client, q, k, v, &out, &lse, dtype, options, path)?;
-    Ok(ForwardOutput { out, lse, problem })
+    forward_biased(client, q, k, v, ScoreBias::none(), dtype, options, path)
 }
 
 /// [`forward`] with terms added to the scores after masking ([`crate::bias`]): a bias
@@ -241,7 +237,7 @@ fn launch(
     let is_packed = packed.is_some();
     let limits = DeviceLimits::from_properties(client.properties());
     let (left, right) = window_args(&problem);
-    let [bias, slopes] = bias.args(client, q);
+    let [bias, slopes] = bias.args(q, lse);
     match plan(path, &problem, &limits, [q, k, v])? {
         Plan::RegisterMma(config) => {
             let count = CubeCount::Static(
