@@ -19,6 +19,7 @@ p.add_argument("--dims", default="64,128")
 p.add_argument("--causal", default="false,true")
 p.add_argument("--dtypes", default="bf16")
 p.add_argument("--tokens", type=int, default=16384)
+p.add_argument("--dropout", type=float, default=0.0, help="dropout_p on the probabilities")
 p.add_argument("--json", default="torch_sdpa.json")
 a = p.parse_args()
 ints = lambda s: [int(x) for x in s.split(",")]
@@ -56,7 +57,7 @@ for dname in a.dtypes.split(","):
                 for name, backend in backends.items():
                     try:
                         with sdpa_kernel([backend]):
-                            fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                            fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=a.dropout)
                             torch.cuda.synchronize()
                             torch.cuda.reset_peak_memory_stats()
                             base = torch.cuda.memory_allocated()
@@ -65,7 +66,7 @@ for dname in a.dtypes.split(","):
                             mem = (torch.cuda.max_memory_allocated() - base) / 2**20
                             t = do_bench(fwd, warmup=25, rep=100, return_mode="median")
                             def fb():
-                                F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(do)
+                                F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=a.dropout).backward(do)
                             tb = do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=[q, k, v])
                             torch.cuda.synchronize()
                             torch.cuda.reset_peak_memory_stats()
@@ -76,7 +77,7 @@ for dname in a.dtypes.split(","):
                             q.grad = k.grad = v.grad = None
                             # The backward alone, as FlashAttention's benchmark times it: the
                             # graph of one forward kept and walked again.
-                            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=a.dropout)
                             tbw = do_bench(lambda: o.backward(do, retain_graph=True), warmup=25, rep=100,
                                            return_mode="median", grad_to_none=[q, k, v])
                             del o
@@ -87,7 +88,8 @@ for dname in a.dtypes.split(","):
                                                 ("fwd_bwd", tb, 3.5 * flops, mem_fb)):
                         r = {"impl": name, "pass": pass_, "dtype": dname, "b": b, "h": h, "h_kv": h,
                              "s_q": s, "s_kv": s, "d": d, "causal": causal, "ms": ms,
-                             "tflops": fl / ms / 1e9, "peak_extra_mib": peak}
+                             "tflops": fl / ms / 1e9, "peak_extra_mib": peak,
+                             **({"dropout": a.dropout} if a.dropout else {})}
                         records.append(r)
                         print(f"{dname} b{b} h{h} s{s} d{d} causal={causal} {name:>12} {pass_:>7}: {ms:9.3f} ms {r['tflops']:7.1f} TFLOP/s", flush=True)
 json.dump(records, open(a.json, "w"), indent=1)

@@ -31,6 +31,9 @@
 //! sliding window of `--window` keys to the left, with FLOPs counted over the visible pairs
 //! only, as for any mask other than causal).
 //!
+//! `--dropout p` drops the attention weights of the runs of ours (the others run without);
+//! `benches/torch_sdpa.py --dropout p` times PyTorch's with the same `dropout_p`.
+//!
 //! Memory per call, from CubeCL's memory report: `held_extra_mib`, what the outputs hold
 //! after the call; `peak_extra_mib`, how far the device memory reserved by the call grew
 //! from a cleaned-up pool (an upper bound of the transient peak at the pool's page size).
@@ -44,7 +47,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Distribution, FloatDType, Int, Tensor, TensorData};
 use burn_flash_attention::{
     AttentionBias, FlashAttentionOptions, PackedSequences, flash_attention, flash_attention_biased,
-    flash_attention_varlen,
+    flash_attention_varlen, next_dropout,
 };
 use clap::Parser;
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -100,6 +103,9 @@ struct Args {
     /// Keys to the left of the diagonal with `--terms window`.
     #[arg(long, default_value_t = 1024)]
     window: usize,
+    /// Dropout probability on the attention weights of the runs of ours (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f32,
 }
 
 #[derive(Serialize)]
@@ -121,6 +127,9 @@ struct Record {
     /// `--terms`, when not `none`.
     #[serde(skip_serializing_if = "Option::is_none")]
     terms: Option<String>,
+    /// `--dropout`, when not 0.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dropout: Option<f32>,
     ms: f64,
     tflops: f64,
     peak_extra_mib: Option<f64>,
@@ -379,7 +388,8 @@ fn main() {
             let opts = FlashAttentionOptions::default()
                 .with_causal(causal)
                 .with_window(window, None)
-                .with_deterministic(imp == "ours-deterministic");
+                .with_deterministic(imp == "ours-deterministic")
+                .with_dropout((args.dropout > 0.0).then(|| next_dropout(args.dropout)));
             if args.terms != "none" && imp != "ours" {
                 continue; // the terms run on the dense op alone
             }
@@ -492,6 +502,7 @@ fn main() {
                     tokens,
                     mixed: args.mixed,
                     terms: (args.terms != "none").then(|| args.terms.clone()),
+                    dropout: (args.dropout > 0.0 && ours).then_some(args.dropout),
                     ms: m.seconds * 1e3,
                     tflops: factor * flops / m.seconds / 1e12,
                     peak_extra_mib: m.peak_extra_mib,

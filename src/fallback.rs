@@ -4,10 +4,12 @@
 
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData};
 
+use crate::dropout::Dropout;
 use crate::options::FlashAttentionOptions;
 
 /// `(O, LSE)` with the semantics of the fused op: GQA by broadcasting K/V heads, softcap,
-/// bottom-right causal / window masks, zero output and −∞ LSE on fully masked rows.
+/// bottom-right causal / window masks, zero output and −∞ LSE on fully masked rows, and the
+/// kernels' dropout.
 pub(crate) fn attention(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -27,6 +29,20 @@ pub(crate) fn attention_biased(
     bias: Option<Tensor<4>>,
     alibi_slopes: Option<Tensor<2>>,
     options: &FlashAttentionOptions,
+) -> (Tensor<4>, Tensor<3>) {
+    attention_from_batch(q, k, v, bias, alibi_slopes, options, 0)
+}
+
+/// [`attention_biased`] of batch entries `first_batch..` (as the dropout numbers them: a
+/// packed batch's sequences).
+fn attention_from_batch(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    bias: Option<Tensor<4>>,
+    alibi_slopes: Option<Tensor<2>>,
+    options: &FlashAttentionOptions,
+    first_batch: usize,
 ) -> (Tensor<4>, Tensor<3>) {
     let [batch, heads_q, seq_q, dim_qk] = q.dims();
     let [_, heads_kv, seq_kv, _] = k.dims();
@@ -75,8 +91,41 @@ pub(crate) fn attention_biased(
     // A fully masked row's sum is 0: divided by 1 instead, its gradients stay 0 (an
     // additive −∞ passes them on to the scores, where a mask cuts them).
     let empty = sum.clone().equal_elem(0.0).float().cast(sum.dtype());
-    let p = exp.div(sum.add(empty));
+    let mut p = exp.div(sum.add(empty));
+    if let Some(dropout) = options.dropout.filter(|d| d.is_active()) {
+        let shape = [batch, heads_q, seq_q, seq_kv];
+        let factors = dropout_factors(&dropout, first_batch, shape, &device);
+        let dtype = p.dtype();
+        p = p.mul(factors.cast(dtype));
+    }
     (p.matmul(v), lse)
+}
+
+/// The dropout's factors (0 or `1/(1 − p)`) of the probabilities of batch entries
+/// `first_batch..`, drawn on the host as the kernels draw them.
+fn dropout_factors(
+    dropout: &Dropout,
+    first_batch: usize,
+    shape: [usize; 4],
+    device: &burn::tensor::Device,
+) -> Tensor<4> {
+    let [batch, heads, seq_q, seq_kv] = shape;
+    let kept = dropout.kept_scale();
+    let mut factors = Vec::with_capacity(shape.iter().product());
+    for b in first_batch..first_batch + batch {
+        for h in 0..heads {
+            for i in 0..seq_q {
+                factors.extend((0..seq_kv).map(|j| {
+                    if dropout.keeps(b, heads, h, i, j) {
+                        kept
+                    } else {
+                        0.0
+                    }
+                }));
+            }
+        }
+    }
+    Tensor::from_data(TensorData::new(factors, shape), device)
 }
 
 /// [`attention`] within each sequence of a packed batch (`q` `[total_q, h_q, d]`, `k`/`v`
@@ -102,18 +151,21 @@ pub(crate) fn attention_packed(
     };
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
     let (mut q0, mut k0) = (0, 0);
-    for (&len_q, &len_k) in lengths_q.iter().zip(lengths_k) {
+    for (index, (&len_q, &len_k)) in lengths_q.iter().zip(lengths_k).enumerate() {
         if len_q > 0 && len_k == 0 {
             let zeros = Tensor::<3>::zeros([len_q, heads_q, dim_v], &device);
             outs.push(zeros.cast(q.dtype()));
             let hidden = Tensor::<2>::full([heads_q, len_q], f32::NEG_INFINITY, &device);
             lses.push(hidden.cast(FloatDType::F32));
         } else if len_q > 0 {
-            let (o, lse) = attention(
+            let (o, lse) = attention_from_batch(
                 sequence(&q, q0, len_q),
                 sequence(&k, k0, len_k),
                 sequence(&v, k0, len_k),
+                None,
+                None,
                 options,
+                index,
             );
             outs.push(o.squeeze_dim::<3>(0).swap_dims(0, 1));
             lses.push(lse.squeeze_dim::<2>(0));

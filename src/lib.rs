@@ -22,7 +22,8 @@
 //! - [`warm_up`]: compiles the kernels a model will launch before the first request; with
 //!   the `kernel-cache` feature, `enable_kernel_cache` keeps them on disk for later
 //!   processes;
-//! - [`FlashAttentionOptions`]: scale, causal, sliding window, softcap;
+//! - [`FlashAttentionOptions`]: scale, causal, sliding window, softcap, dropout on the
+//!   probabilities ([`Dropout`], streams from [`next_dropout`]);
 //! - [`FlashMultiHeadAttention`]: a drop-in multi-head attention module;
 //! - [`ops::FlashAttentionOps`]: the backend extension, for backend authors;
 //! - [`kernels`]: the CubeCL kernels themselves (`cubecl-flash-attention`).
@@ -30,6 +31,7 @@
 mod attention;
 mod backends;
 mod bias;
+mod dropout;
 mod fallback;
 pub mod module;
 pub mod ops;
@@ -40,6 +42,7 @@ mod warm_up;
 
 pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_attention};
 pub use bias::{AttentionBias, flash_attention_biased, flash_attention_biased_with_lse};
+pub use dropout::{Dropout, next_dropout, seed_dropout};
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 pub use options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};
 pub use serving::{

@@ -3,11 +3,12 @@
 
 use burn::config::Config;
 use burn::module::Module;
-use burn::nn::{Initializer, Linear, LinearConfig};
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Tensor};
 
 use crate::attention::flash_attention;
 use crate::bias::{AttentionBias, flash_attention_biased};
+use crate::dropout::next_dropout;
 use crate::options::FlashAttentionOptions;
 
 /// Configuration of [`FlashMultiHeadAttention`].
@@ -29,11 +30,17 @@ pub struct FlashMultiHeadAttentionConfig {
     /// Initializer of the projections.
     #[config(default = "Initializer::XavierUniform { gain: 1.0 }")]
     pub initializer: Initializer,
+    /// Dropout on the attention probabilities while training, fused into the kernels
+    /// ([`FlashAttentionOptions::dropout`]), each call on a new stream ([`next_dropout`]).
+    #[config(default = 0.0)]
+    pub dropout: f64,
 }
 
 /// Multi-head attention on the fused flash-attention op: a drop-in for
 /// `burn::nn::attention::MultiHeadAttention` wherever the attention weights are not needed
-/// (the fused op never forms them, which is the point). It has no dropout on the weights.
+/// (the fused op never forms them, which is the point). Its dropout on the attention weights
+/// runs inside the kernels, as `burn::nn::Dropout` decides: while training, on an autodiff
+/// device.
 #[derive(Module, Debug)]
 pub struct FlashMultiHeadAttention {
     pub query: Linear,
@@ -44,6 +51,8 @@ pub struct FlashMultiHeadAttention {
     pub n_kv_heads: usize,
     pub d_k: usize,
     pub causal: bool,
+    /// Its probability and training flag; the fused kernels drop the weights.
+    pub dropout: Dropout,
 }
 
 impl FlashMultiHeadAttentionConfig {
@@ -78,6 +87,7 @@ impl FlashMultiHeadAttentionConfig {
             n_kv_heads,
             d_k,
             causal: self.causal,
+            dropout: DropoutConfig::new(self.dropout).init(),
         }
     }
 }
@@ -109,7 +119,12 @@ impl FlashMultiHeadAttention {
         let q = split(query, &self.query, self.n_heads);
         let k = split(key, &self.key, self.n_kv_heads);
         let v = split(value, &self.value, self.n_kv_heads);
-        let options = FlashAttentionOptions::default().with_causal(self.causal);
+        let dropping = self.dropout.training.is_enabled()
+            && q.device().is_autodiff()
+            && self.dropout.prob > 0.0;
+        let options = FlashAttentionOptions::default()
+            .with_causal(self.causal)
+            .with_dropout(dropping.then(|| next_dropout(self.dropout.prob as f32)));
         let context = match mask_pad {
             None => flash_attention(q, k, v, options),
             Some(mask) => {

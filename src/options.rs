@@ -1,6 +1,6 @@
 //! Options of a flash-attention call.
 
-use cubecl_flash_attention::{AttentionOptions, MaskSpec};
+use cubecl_flash_attention::{AttentionOptions, Dropout, MaskSpec};
 use serde::{Deserialize, Serialize};
 
 /// Options of [`flash_attention`](crate::flash_attention), built with `with_*` methods:
@@ -30,6 +30,14 @@ pub struct FlashAttentionOptions {
     /// ([`flash_attention_biased`](crate::flash_attention_biased)) is summed by atomics too;
     /// with this flag, from its whole `[b, h_q, s_q, s_kv]` form in a fixed order instead.
     pub deterministic: bool,
+    /// Dropout on the attention probabilities, as `burn::nn::Dropout` on the weights of
+    /// `MultiHeadAttention`: each is zeroed with probability `p` or scaled by `1/(1 − p)`.
+    /// The keep-mask is drawn from `seed` and `offset` (the same on every backend and
+    /// device) and drawn again in the backward, never stored. Calls that share a seed need
+    /// different offsets; [`next_dropout`](crate::next_dropout) hands them out. Training
+    /// only: the decode entry points refuse it.
+    #[serde(default)]
+    pub dropout: Option<Dropout>,
 }
 
 impl FlashAttentionOptions {
@@ -55,6 +63,10 @@ impl FlashAttentionOptions {
         self.deterministic = deterministic;
         self
     }
+    pub fn with_dropout(mut self, dropout: Option<Dropout>) -> Self {
+        self.dropout = dropout;
+        self
+    }
 
     /// The mask these options describe.
     pub fn mask(&self) -> MaskSpec {
@@ -72,6 +84,7 @@ impl FlashAttentionOptions {
             mask: self.mask(),
             softcap: self.softcap,
             deterministic: self.deterministic,
+            dropout: self.dropout,
         }
     }
 }

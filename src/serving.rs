@@ -273,6 +273,10 @@ fn validate(
     let Some(kernel_dtype) = kernel_dtype(dtype) else {
         panic!("{OP}: `q` has dtype {dtype:?}, expected F32, F16 or BF16");
     };
+    assert!(
+        options.dropout.is_none_or(|d| !d.is_active()),
+        "{OP}: `dropout` must be none: decode serves inference, dropout is for training"
+    );
     let mut floats = vec![("k_cache", &cache.k), ("v_cache", &cache.v)];
     if let Some((k, v)) = new {
         floats.extend([("k", k), ("v", v)]);

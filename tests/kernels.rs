@@ -43,7 +43,7 @@ fn shapes(case: &Case) -> ([usize; 4], [usize; 4], [usize; 4], [usize; 4]) {
 
 /// How the inputs (Q, K, V, dO) sit in memory.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Layout {
+pub(crate) enum Layout {
     /// Contiguous `[b, h, s, d]`.
     Contiguous,
     /// `[b, s, h, d]` in memory, viewed as `[b, h, s, d]` (`swap_dims(1, 2)`).
@@ -54,7 +54,13 @@ enum Layout {
 
 /// Runs forward and backward on the device (outputs poisoned with NaN first) and checks
 /// everything against the oracle.
-fn check_case(client: &Client, case: &Case, dtype: FloatDtype, layout: Layout, path: KernelPath) {
+pub(crate) fn check_case(
+    client: &Client,
+    case: &Case,
+    dtype: FloatDtype,
+    layout: Layout,
+    path: KernelPath,
+) {
     if path == KernelPath::RegisterMma && !(case.dims.dim_qk % 8 == 0 && case.dims.dim_v % 8 == 0) {
         // 16-byte copies: `Auto` runs these head dims on the cmma path (tested there).
         eprintln!(

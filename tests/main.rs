@@ -6,6 +6,7 @@
 mod bias;
 mod common;
 mod decode;
+mod dropout;
 mod examples;
 mod kernels;
 mod op;

@@ -247,6 +247,8 @@ pub struct Case {
     /// Ask for a bitwise-deterministic backward (on CUDA sm_80+: dQ in its own pass instead
     /// of by atomics).
     pub deterministic: bool,
+    /// Dropout on the probabilities.
+    pub dropout: Option<burn_flash_attention::kernels::Dropout>,
 }
 
 pub const fn dims(
@@ -277,6 +279,7 @@ pub const fn case(dims: Dims) -> Case {
         softcap: None,
         scale: None,
         deterministic: false,
+        dropout: None,
     }
 }
 
@@ -373,6 +376,7 @@ impl Case {
             mask: self.mask(),
             softcap: self.softcap.map(|c| c as f32),
             deterministic: self.deterministic,
+            dropout: self.dropout,
         }
     }
 
@@ -389,7 +393,36 @@ impl Case {
             scale: self.scale,
             mask: self.mask(),
             softcap: self.softcap,
+            dropout: self.dropout.map(|dropout| {
+                let d = &self.dims;
+                let shape = [d.batch, d.heads_q, d.seq_q, d.seq_kv];
+                burn_flash_attention::kernels::reference::Dropout {
+                    keep: burn_flash_attention::kernels::reference::Broadcast4 {
+                        data: (0..shape.iter().product())
+                            .map(|n| {
+                                let (j, i) = (n % d.seq_kv, n / d.seq_kv % d.seq_q);
+                                let (h, b) = (
+                                    n / (d.seq_kv * d.seq_q) % d.heads_q,
+                                    n / (d.seq_kv * d.seq_q * d.heads_q),
+                                );
+                                dropout.keeps(b, d.heads_q, h, i, j)
+                            })
+                            .collect(),
+                        shape,
+                    },
+                    p: f64::from(dropout.p),
+                }
+            }),
             ..Default::default()
+        }
+    }
+
+    /// The dropout's factor of probability `(b, h, i, j)`: 0, `1/(1 − p)`, or 1 without.
+    pub fn dropout_factor(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
+        match self.dropout {
+            None => 1.0,
+            Some(d) if d.keeps(b, self.dims.heads_q, h, i, j) => f64::from(d.kept_scale()),
+            Some(_) => 0.0,
         }
     }
 }

@@ -104,11 +104,17 @@ pub fn attention_with_terms(
             // O = round(P·V); backward on the rounded matrices.
             for i in 0..seq_q {
                 let row = (b * heads_q + h) * seq_q + i;
-                let dp: Vec<f64> = (0..seq_kv).map(|j| r(dot(do_at(i), v_at(j)))).collect();
+                // Dropout: `P ⊙ Z` multiplies V (and dO into dV), `dP ⊙ Z` forms dS.
+                let z: Vec<f64> = (0..seq_kv)
+                    .map(|j| case.dropout_factor(b, h, i, j))
+                    .collect();
+                let dp: Vec<f64> = (0..seq_kv)
+                    .map(|j| r(r(dot(do_at(i), v_at(j))) * z[j]))
+                    .collect();
                 let mut o = vec![0.0; dim_v];
                 for j in 0..seq_kv {
                     for c in 0..dim_v {
-                        o[c] += p[i * seq_kv + j] * v_at(j)[c];
+                        o[c] += r(p[i * seq_kv + j] * z[j]) * v_at(j)[c];
                     }
                 }
                 let o: Vec<f64> = o.into_iter().map(r).collect();
@@ -120,8 +126,9 @@ pub fn attention_with_terms(
                     n.dlogits[row * seq_kv + j] = dlogit;
                     let ds = dlogit * ds_dqk[i * seq_kv + j];
                     let kv_row = (b * heads_kv + hk) * seq_kv + j;
+                    let pz = r(pij * z[j]);
                     for c in 0..dim_v {
-                        n.dv[kv_row * dim_v + c] += pij * do_at(i)[c];
+                        n.dv[kv_row * dim_v + c] += pz * do_at(i)[c];
                     }
                     for c in 0..dim_qk {
                         n.dq[row * dim_qk + c] += ds * k_at(j)[c];

@@ -25,7 +25,8 @@ use crate::mma_sync::Pair;
 use crate::problem::AttentionProblem;
 use crate::softmax::MASKED;
 
-/// Which terms a kernel adds to the scores: compiled in, nothing runs for an absent one.
+/// Which terms a kernel adds to the scores, and whether it drops probabilities
+/// ([`crate::dropout`]): compiled in, nothing runs for an absent one.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ScoreTerms {
     /// An additive bias tensor.
@@ -36,12 +37,23 @@ pub struct ScoreTerms {
     pub bias_grad: bool,
     /// Some dimension of the bias broadcasts: `d(bias)` is a sum, added up atomically.
     pub bias_grad_sums: bool,
+    /// Dropout on the probabilities.
+    #[serde(default)]
+    pub dropout: bool,
 }
 
 impl ScoreTerms {
     /// Whether any term is added.
     pub fn any(&self) -> bool {
         self.bias || self.alibi
+    }
+
+    /// These terms, with dropout as `problem`'s options ask.
+    pub fn with_dropout_of(self, problem: &AttentionProblem) -> Self {
+        Self {
+            dropout: problem.options.dropout.is_some_and(|d| d.is_active()),
+            ..self
+        }
     }
 }
 

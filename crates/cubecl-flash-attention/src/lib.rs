@@ -9,6 +9,8 @@
 //!   (appended in place), the key range split over cubes;
 //! - [`forward::forward_biased`], [`backward::backward_biased`]: with terms added to the
 //!   scores ([`bias`]: a bias tensor, −∞ as a mask, ALiBi) and the bias's gradient;
+//! - dropout on the probabilities in every training kernel ([`dropout`]), regenerated in the
+//!   backward from a seed and an offset;
 //! - [`reference`]: the f64 CPU oracle every kernel is tested against.
 //!
 //! Options: softmax scale, causal and sliding-window masks (bottom-right aligned), softcap,
@@ -18,6 +20,7 @@ pub mod backward;
 pub mod bias;
 pub mod config;
 pub mod decode;
+pub mod dropout;
 pub mod error;
 pub mod forward;
 #[cfg(feature = "kernel-cache")]
@@ -40,6 +43,7 @@ pub mod wgmma;
 
 pub use bias::{ScoreBias, ScoreTerms};
 pub use config::{DeviceLimits, KernelPath, TileConfig};
+pub use dropout::Dropout;
 pub use error::FlashError;
 pub use launch::DeviceTensor;
 pub use mask::MaskSpec;

@@ -1,5 +1,6 @@
 //! The attention problem: sizes, dtype and options, validated once before any launch.
 
+use crate::dropout::{Dropout, DropoutArgsLaunch};
 use crate::error::FlashError;
 use crate::mask::MaskSpec;
 use serde::{Deserialize, Serialize};
@@ -49,6 +50,9 @@ pub struct AttentionOptions {
     /// register-level path then computes dQ in a pass of its own at every length).
     #[serde(default)]
     pub deterministic: bool,
+    /// Dropout on the probabilities ([`crate::dropout`]).
+    #[serde(default)]
+    pub dropout: Option<Dropout>,
 }
 
 /// Sizes of one attention call: Q `[batch, heads_q, seq_q, dim_qk]`,
@@ -154,6 +158,9 @@ impl AttentionProblem {
                 expected: format!("a finite number, got {scale}"),
             });
         }
+        if let Some(dropout) = options.dropout {
+            dropout.check()?;
+        }
         Ok(Self {
             batch,
             heads_q,
@@ -185,6 +192,14 @@ impl AttentionProblem {
 
     pub fn lse_shape(&self) -> [usize; 3] {
         [self.batch, self.heads_q, self.seq_q]
+    }
+
+    /// The kernels' dropout arguments (never read where the kernels take no dropout).
+    pub(crate) fn dropout_args(&self) -> DropoutArgsLaunch {
+        match self.options.dropout {
+            Some(dropout) => dropout.args(),
+            None => Dropout::inactive_args(),
+        }
     }
 
     /// Whether there is nothing to compute (an empty dimension).

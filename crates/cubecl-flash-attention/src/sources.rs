@@ -38,6 +38,7 @@ use crate::decode::{
     mma::flash_decode_mma,
     mma_decode_config,
 };
+use crate::dropout::DropoutArgsCompilationArg;
 use crate::forward::{
     flash_forward, flash_forward_cmma, flash_forward_mma, mma_config, portable_config,
     register_mma_config,
@@ -324,6 +325,7 @@ pub fn shipped_problems() -> Vec<AttentionProblem> {
         },
         softcap: Some(30.0),
         deterministic: false,
+        dropout: None,
     };
     let mut problems = Vec::new();
     for dtype in [FloatDtype::F32, FloatDtype::F16, FloatDtype::BF16] {
@@ -355,14 +357,16 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
     // Packed batches change only how a cube finds its sequence (and the registers that
     // takes): their forms are checked for one dtype and head dim, without options and with
     // every one.
-    // The score terms (bias, ALiBi, the bias's gradient, summed) add the same code to every
-    // dtype and head dim: checked on those of the packed forms, with every option.
+    // The score terms (bias, ALiBi, the bias's gradient, summed) and dropout add the same
+    // code to every dtype and head dim: checked on those of the packed forms, with every
+    // option.
     let none = ScoreTerms::default();
     let every_term = ScoreTerms {
         bias: true,
         alibi: true,
         bias_grad: true,
         bias_grad_sums: true,
+        dropout: true,
     };
     let variants = shipped_problems().into_iter().flat_map(|problem| {
         let one_form =
@@ -428,6 +432,17 @@ fn row_layout() -> RowLayoutCompilationArg {
         head_stride: (),
         row_stride: (),
         seq: (),
+    }
+}
+
+/// The compile-time part of a [`crate::dropout::DropoutArgs`] argument (all of it is runtime).
+fn dropout_args() -> DropoutArgsCompilationArg {
+    DropoutArgsCompilationArg {
+        seed_lo: (),
+        seed_hi: (),
+        offset: (),
+        threshold: (),
+        kept_scale: (),
     }
 }
 
@@ -498,6 +513,7 @@ fn kernels(
                 (),
                 tensor(),
                 tensor(),
+                dropout_args(),
                 c,
                 packed,
                 terms,
@@ -729,6 +745,7 @@ fn kernels(
                 (),
                 tensor(),
                 tensor(),
+                dropout_args(),
                 c,
                 packed,
                 terms,
@@ -758,6 +775,7 @@ fn kernels(
                 (),
                 tensor(),
                 tensor(),
+                dropout_args(),
                 tensor(),
                 c,
                 packed,
@@ -809,6 +827,7 @@ fn kernels(
                         (),
                         tensor(),
                         tensor(),
+                        dropout_args(),
                         c,
                         packed,
                         terms,
@@ -880,6 +899,7 @@ fn kernels(
                                 (),
                                 tensor(),
                                 tensor(),
+                                dropout_args(),
                                 c,
                                 gradients,
                                 packed,
@@ -938,6 +958,7 @@ fn kernels(
                         (),
                         tensor(),
                         tensor(),
+                        dropout_args(),
                         tensor(),
                         c,
                         packed,
@@ -972,6 +993,7 @@ fn kernels(
                 (),
                 tensor(),
                 tensor(),
+                dropout_args(),
                 c,
                 packed,
                 terms,
@@ -1002,6 +1024,7 @@ fn kernels(
                 (),
                 tensor(),
                 tensor(),
+                dropout_args(),
                 c,
                 packed,
                 terms,
@@ -1031,6 +1054,7 @@ fn kernels(
                 (),
                 tensor(),
                 tensor(),
+                dropout_args(),
                 tensor(),
                 c,
                 packed,

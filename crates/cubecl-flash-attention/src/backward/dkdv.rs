@@ -3,13 +3,14 @@
 //! head of the GQA group in turn. Each key row's gradients are accumulated in f32
 //! registers and written once: no atomics, deterministic.
 //!
-//! Per query `i`: `P = exp(S − LSE)`, `dV += P · dOᵢ`, `dP = dOᵢ·V`, `dS = P ⊙ (dP − Dᵢ)`,
-//! `dK += dS · dS/d(q·k) · Qᵢ`.
+//! Per query `i`: `P = exp(S − LSE)`, `dV += P · dOᵢ`, `dP = dOᵢ·V` (both times the
+//! dropout's factor), `dS = P ⊙ (dP − Dᵢ)`, `dK += dS · dS/d(q·k) · Qᵢ`.
 
 use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms};
 use crate::config::TileConfig;
+use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
 use crate::sequence::Sequence;
@@ -37,6 +38,7 @@ pub fn flash_backward_dkdv<F: Float>(
     window_right: i32,
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    dropout: DropoutArgs,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -107,6 +109,7 @@ pub fn flash_backward_dkdv<F: Float>(
         let head_q = head_kv * group + g;
         let terms_line =
             BiasLine::along_queries(bias, alibi_slopes, batch, head_q, key, seq_q, seq_kv, terms);
+        let dropout = dropout.stream(batch, q.shape(1), head_q);
         for block in 0..blocks.count {
             let q0 = blocks.start(block, block_q);
             let q0_u = usize::cast_from(q0);
@@ -164,10 +167,17 @@ pub fn flash_backward_dkdv<F: Float>(
                     let s = score(dot, scale, softcap, config.softcap);
                     let logit = terms_line.add(bias, s, q0_u + i, 1.0, terms);
                     let p = (logit - lse_tile[i]).exp();
-                    // dV += P·dOᵢ and dP = dOᵢ·V, reading the staged dO row once.
-                    let dp = add_scaled_and_dot_staged(
+                    // dV += P·dOᵢ and dP = dOᵢ·V, reading the staged dO row once (the
+                    // dropout's factor on both).
+                    let mut p_kept = p;
+                    let mut factor = 1.0f32;
+                    if comptime!(terms.dropout) {
+                        factor = dropout.factor(q0_u + i, key);
+                        p_kept *= factor;
+                    }
+                    let mut dp = add_scaled_and_dot_staged(
                         &mut dv_acc,
-                        p,
+                        p_kept,
                         &v_row,
                         &do_tile,
                         i * dim_v,
@@ -175,6 +185,9 @@ pub fn flash_backward_dkdv<F: Float>(
                         dim_v,
                         config.columns,
                     );
+                    if comptime!(terms.dropout) {
+                        dp *= factor;
+                    }
                     let ds =
                         p * (dp - delta_tile[i]) * score_grad(s, scale, softcap, config.softcap);
                     add_scaled_staged(

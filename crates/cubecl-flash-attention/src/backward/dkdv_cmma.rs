@@ -4,7 +4,7 @@
 //!
 //! 1. `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` on tensor cores, into f32 tiles of shared memory;
 //! 2. element-wise, `Pᵀ = exp(Sᵀ − LSE)` and `dSᵀ = Pᵀ ⊙ (dPᵀ − D) · dS/d(q·k)`, written in
-//!    the input dtype;
+//!    the input dtype (`Pᵀ` for `dV` and `dPᵀ` times the dropout's factor);
 //! 3. `dV += Pᵀ·dO` and `dK += dSᵀ·Q` into accumulators that stay in registers.
 //!
 //! No atomics: deterministic.
@@ -13,6 +13,7 @@ use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms};
 use crate::config::{FRAGMENT, MmaConfig};
+use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::mma::{
     Operand, PlaneRow, SHARED_ALIGN, accumulate, product_to_shared, store_accumulators,
@@ -62,6 +63,7 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     window_right: i32,
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    dropout: DropoutArgs,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -156,6 +158,7 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
             seq_kv,
             terms,
         );
+        let dropout = dropout.stream(batch, q.shape(1), head_q);
         for block in 0..blocks.count {
             let q0 = blocks.start(block, block_q);
             let q0_u = usize::cast_from(q0);
@@ -240,10 +243,15 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
                 let logit = terms_line.add(bias, s, q0_u + col, 1.0, terms);
                 let visible = !needs_mask || mask.is_visible(q0 + i32::cast_from(col), key_i);
                 let p = select(visible, (logit - lse_tile[col]).exp(), 0.0);
-                let ds = p
-                    * (dp_tile[my_key * dp_ld + col] - delta_tile[col])
-                    * score_grad(s, scale, softcap, config.softcap);
-                p_tile[my_key * p_ld + col] = F::cast_from(p);
+                let mut dp = dp_tile[my_key * dp_ld + col];
+                let mut p_kept = p;
+                if comptime!(terms.dropout) {
+                    let factor = dropout.factor(q0_u + col, k_begin + my_key);
+                    dp *= factor;
+                    p_kept *= factor;
+                }
+                let ds = p * (dp - delta_tile[col]) * score_grad(s, scale, softcap, config.softcap);
+                p_tile[my_key * p_ld + col] = F::cast_from(p_kept);
                 ds_tile[my_key * p_ld + col] = F::cast_from(ds);
             }
             sync_plane();

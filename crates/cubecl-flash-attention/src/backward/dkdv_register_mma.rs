@@ -7,7 +7,8 @@
 //!
 //! 1. `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (`mma.sync`, operands by `ldmatrix`);
 //! 2. `Pᵀ = exp(Sᵀ − LSE)` and `dSᵀ = Pᵀ ⊙ (dPᵀ − D) · dS/d(q·k)`, element-wise on the
-//!    accumulators, the LSE and D of the block's queries staged with it;
+//!    accumulators, the LSE and D of the block's queries staged with it (with dropout, `dPᵀ`
+//!    and then, for `dV`, `Pᵀ` times the keep-mask's factor);
 //! 3. `dV += Pᵀ·dO` and `dK += dSᵀ·Q`, `Pᵀ` and `dSᵀ` converted to the input dtype in
 //!    registers and used as A operands directly (see [`crate::mma_sync`]).
 //!
@@ -32,6 +33,7 @@ use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms, add_to_columns, base2_scores};
 use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaConfig};
+use crate::dropout::{DropoutArgs, apply_keep_bits};
 use crate::mask::Mask;
 use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
@@ -83,6 +85,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     window_right: i32,
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    dropout: DropoutArgs,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] gradients: KeyGradients,
     #[comptime] packed: bool,
@@ -392,6 +395,24 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             }
         }
 
+        // Dropout: the keep-mask of the lane's two keys, on dPᵀ now and on Pᵀ (for dV) once
+        // dSᵀ has been formed from it.
+        let mut keep = Array::<u32>::new(2usize);
+        let mut kept_scale = 1.0f32;
+        if comptime!(terms.dropout) {
+            let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
+            let stream = dropout.stream(batch, q.shape(1), head_q);
+            kept_scale = stream.kept_scale;
+            #[unroll]
+            for half in 0..2usize {
+                let key = k_begin + plane_row + group + 8 * half;
+                keep[half] = stream.keep_bits(key, usize::cast_from(q0), s_tiles, true);
+                if comptime!(with_dk) {
+                    apply_keep_bits(&mut dp_acc, 0, s_tiles, half, keep[half], kept_scale);
+                }
+            }
+        }
+
         // 2. Pᵀ into `s_acc`, dSᵀ (without the softmax scale) into `dp_acc`; hidden
         // probabilities are zeroed only in the blocks that straddle the mask's edge or a
         // sequence end. With score terms, the logits (base 2, terms added) go to an
@@ -500,6 +521,12 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             #[unroll]
             for i in 0..comptime!(2 * s_tiles) {
                 dp_acc[i] = s_acc[i] * dp_acc[i];
+            }
+        }
+        if comptime!(terms.dropout && with_dv) {
+            #[unroll]
+            for half in 0..2usize {
+                apply_keep_bits(&mut s_acc, 0, s_tiles, half, keep[half], kept_scale);
             }
         }
         if comptime!(with_dq) {

@@ -2,12 +2,14 @@
 //! row, looping over the visible key blocks like the forward pass. Each row's `dQ` is
 //! accumulated in f32 registers and written once: no atomics, deterministic.
 //!
-//! Per key `j`: `P = exp(S − LSE)`, `dP = dO·Vⱼ`, `dS = P ⊙ (dP − D)`, `dQ += dS · dS/d(q·k) · Kⱼ`.
+//! Per key `j`: `P = exp(S − LSE)`, `dP = dO·Vⱼ` (times the dropout's factor),
+//! `dS = P ⊙ (dP − D)`, `dQ += dS · dS/d(q·k) · Kⱼ`.
 
 use cubecl::prelude::*;
 
 use crate::bias::{BiasGradLine, BiasLine, ScoreTerms};
 use crate::config::TileConfig;
+use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
 use crate::sequence::Sequence;
@@ -33,6 +35,7 @@ pub fn flash_backward_dq<F: Float>(
     window_right: i32,
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    dropout: DropoutArgs,
     dbias: &mut Tensor<Atomic<u32>>,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
@@ -101,6 +104,7 @@ pub fn flash_backward_dq<F: Float>(
         terms,
     );
     let grad_line = BiasGradLine::along_keys(dbias, batch, head.head_q, min(row, seq_q - 1));
+    let dropout = dropout.stream(batch, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
         let k0 = blocks.start(block, block_k);
@@ -133,7 +137,10 @@ pub fn flash_backward_dq<F: Float>(
                 let s = score(dot, scale, softcap, config.softcap);
                 let logit = terms_line.add(bias, s, key, 1.0, terms);
                 let p = (logit - row_lse).exp();
-                let dp = dot_staged(&do_row, &v_tile, j * dim_v, len_v, dim_v, config.columns);
+                let mut dp = dot_staged(&do_row, &v_tile, j * dim_v, len_v, dim_v, config.columns);
+                if comptime!(terms.dropout) {
+                    dp *= dropout.factor(row, key);
+                }
                 // dS with respect to the logit: the bias's gradient.
                 let ds_logit = p * (dp - row_delta);
                 if comptime!(terms.bias_grad) {

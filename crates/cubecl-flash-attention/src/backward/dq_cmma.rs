@@ -1,13 +1,15 @@
 //! Backward step 3 on tensor cores: `dQ`, one cube per (query block, batch·query head),
 //! each plane owning 16 query rows, looping over the key blocks the rows see. Per key
 //! block: `S = Q·Kᵀ` and `dP = dO·Vᵀ` on tensor cores into f32 tiles of shared memory,
-//! `dS = exp(S − LSE) ⊙ (dP − D) · dS/d(q·k)` element-wise in the input dtype, and
+//! `dS = exp(S − LSE) ⊙ (dP − D) · dS/d(q·k)` element-wise in the input dtype (`dP` times
+//! the dropout's factor), and
 //! `dQ += dS·K` into accumulators that stay in registers. No atomics: deterministic.
 
 use cubecl::prelude::*;
 
 use crate::bias::{BiasGradLine, BiasLine, ScoreTerms};
 use crate::config::{FRAGMENT, MmaConfig};
+use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::mma::{
     Operand, PlaneRow, SHARED_ALIGN, accumulate, product_to_shared, store_accumulators,
@@ -50,6 +52,7 @@ pub fn flash_backward_dq_cmma<F: Float>(
     window_right: i32,
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    dropout: DropoutArgs,
     dbias: &mut Tensor<Atomic<u32>>,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
@@ -96,6 +99,7 @@ pub fn flash_backward_dq_cmma<F: Float>(
         terms,
     );
     let grad_line = BiasGradLine::along_keys(dbias, batch, head.head_q, min(row, seq_q - 1));
+    let dropout = dropout.stream(batch, q.shape(1), head.head_q);
 
     let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, SHARED_ALIGN);
     let mut do_tile = Shared::<[F]>::new_aligned_slice(block_q * v_ld, SHARED_ALIGN);
@@ -210,7 +214,11 @@ pub fn flash_backward_dq_cmma<F: Float>(
             let visible = !needs_mask || mask.is_visible(row_i, k0 + i32::cast_from(col));
             let p = select(visible, (logit - row_lse).exp(), 0.0);
             // dS with respect to the logit: the bias's gradient.
-            let ds_logit = p * (dp_tile[my_row * dp_ld + col] - row_delta);
+            let mut dp = dp_tile[my_row * dp_ld + col];
+            if comptime!(terms.dropout) {
+                dp *= dropout.factor(row, key);
+            }
+            let ds_logit = p * (dp - row_delta);
             if comptime!(terms.bias_grad) {
                 if visible && row < seq_q && key < seq_kv {
                     grad_line.add(dbias, key, ds_logit, terms);

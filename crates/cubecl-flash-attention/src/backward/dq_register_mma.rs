@@ -23,6 +23,7 @@ use crate::bias::{
     BiasGradLine, BiasLine, ScoreTerms, add_grad_columns, add_to_columns, base2_scores,
 };
 use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
+use crate::dropout::{DropoutArgs, apply_keep_bits};
 use crate::mask::Mask;
 use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
@@ -66,6 +67,7 @@ pub fn flash_backward_dq_mma<F: Float>(
     window_right: i32,
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    dropout: DropoutArgs,
     dbias: &mut Tensor<Atomic<u32>>,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] packed: bool,
@@ -116,6 +118,7 @@ pub fn flash_backward_dq_mma<F: Float>(
     let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
+    let dropout = dropout.stream(batch, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
     // The score terms of the lane's rows g and g + 8: where each starts in the bias and its
@@ -336,6 +339,16 @@ pub fn flash_backward_dq_mma<F: Float>(
                 );
                 mma(&of, 0, &vf, 0, &mut dp_acc, 2 * n);
                 mma(&of, 0, &vf, 2, &mut dp_acc, 2 * n + 1);
+            }
+        }
+
+        // Dropout: dP times the keep-mask's factor.
+        if comptime!(terms.dropout) {
+            #[unroll]
+            for half in 0..2usize {
+                let row = q_begin + plane_row + group + 8 * half;
+                let keep = dropout.keep_bits(row, usize::cast_from(k0), s_tiles, false);
+                apply_keep_bits(&mut dp_acc, 0, s_tiles, half, keep, dropout.kept_scale);
             }
         }
 

@@ -347,6 +347,7 @@ fn launch(
     }
     // Absent terms pass tokens the kernels never read.
     let [bias, slopes] = bias.args(q, lse);
+    let terms = terms.with_dropout_of(&problem);
     let dbias = dbias.unwrap_or(lse).clone();
     // With terms, the kernels read the LSE the delta kernel rewrites: rows the terms hide
     // completely (`LSE = −∞`) must give `P = 0`.
@@ -423,6 +424,7 @@ fn launch(
                         right,
                         bias.arg(),
                         slopes.arg(),
+                        problem.dropout_args(),
                         warpgroup_only_for(config, "dkdv"),
                         gradients,
                         is_packed,
@@ -475,6 +477,7 @@ fn launch(
                     right,
                     bias.arg(),
                     slopes.arg(),
+                    problem.dropout_args(),
                     dbias.arg(),
                     warpgroup_only_for(config, "dq"),
                     is_packed,
@@ -511,6 +514,7 @@ fn launch(
                     right,
                     bias.arg(),
                     slopes.arg(),
+                    problem.dropout_args(),
                     config,
                     is_packed,
                     terms,
@@ -543,6 +547,7 @@ fn launch(
                     right,
                     bias.arg(),
                     slopes.arg(),
+                    problem.dropout_args(),
                     dbias.arg(),
                     config,
                     is_packed,
@@ -574,6 +579,7 @@ fn launch(
                     right,
                     bias.arg(),
                     slopes.arg(),
+                    problem.dropout_args(),
                     dkdv,
                     is_packed,
                     terms,
@@ -602,6 +608,7 @@ fn launch(
                     right,
                     bias.arg(),
                     slopes.arg(),
+                    problem.dropout_args(),
                     dbias.arg(),
                     dq,
                     is_packed,

@@ -621,6 +621,12 @@ pub fn decode(
     rank("query", q, 4, "[batch, heads_q, s_q, d_qk]")?;
     let geometry = CacheGeometry::new(&inputs.cache, q.shape[0])?;
     let problem = geometry.problem(&q.shape, dtype, options)?;
+    if options.dropout.is_some_and(|d| d.is_active()) {
+        return Err(FlashError::Option {
+            arg: "dropout",
+            expected: "none: decode serves inference, dropout is for training".into(),
+        });
+    }
     check_dtype(client, dtype)?;
     let s_new = check_new(&inputs, &geometry)?;
     let longest_cached = check_lengths(client, &inputs, &geometry, s_new)?;

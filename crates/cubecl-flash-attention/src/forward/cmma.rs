@@ -17,6 +17,7 @@ use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms};
 use crate::config::{FRAGMENT, MmaConfig};
+use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::mma::{Operand, PlaneRow, SHARED_ALIGN, product_to_shared};
 use crate::score::score;
@@ -51,6 +52,7 @@ pub fn flash_forward_cmma<F: Float>(
     neg_inf: f32,
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    dropout: DropoutArgs,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -125,6 +127,7 @@ pub fn flash_forward_cmma<F: Float>(
         seq_kv,
         terms,
     );
+    let dropout = dropout.stream(batch, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
         let k0 = blocks.start(block, block_k);
@@ -201,8 +204,11 @@ pub fn flash_forward_cmma<F: Float>(
         #[unroll]
         for j in 0..s_cols {
             let col = j * per_row + part;
-            let p = probability(s_tile[s_row + col], state.m);
+            let mut p = probability(s_tile[s_row + col], state.m);
             block_sum += p;
+            if comptime!(terms.dropout) {
+                p *= dropout.factor(row, k0_u + col);
+            }
             p_tile[p_row + col] = F::cast_from(p);
         }
         state.l += row_reduce_sum(block_sum, per_row);

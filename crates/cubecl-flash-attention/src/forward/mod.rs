@@ -238,6 +238,7 @@ fn launch(
     let limits = DeviceLimits::from_properties(client.properties());
     let (left, right) = window_args(&problem);
     let [bias, slopes] = bias.args(q, lse);
+    let terms = terms.with_dropout_of(&problem);
     match plan(path, &problem, &limits, [q, k, v])? {
         Plan::RegisterMma(config) => {
             let count = CubeCount::Static(
@@ -272,6 +273,7 @@ fn launch(
                     f32::NEG_INFINITY,
                     bias.arg(),
                     slopes.arg(),
+                    problem.dropout_args(),
                     config,
                     is_packed,
                     terms,
@@ -305,6 +307,7 @@ fn launch(
                     f32::NEG_INFINITY,
                     bias.arg(),
                     slopes.arg(),
+                    problem.dropout_args(),
                     config,
                     is_packed,
                     terms,
@@ -334,6 +337,7 @@ fn launch(
                     f32::NEG_INFINITY,
                     bias.arg(),
                     slopes.arg(),
+                    problem.dropout_args(),
                     config,
                     is_packed,
                     terms,

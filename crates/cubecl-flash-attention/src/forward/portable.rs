@@ -10,6 +10,7 @@ use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms};
 use crate::config::TileConfig;
+use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::score::score;
 use crate::sequence::Sequence;
@@ -36,6 +37,7 @@ pub fn flash_forward<F: Float>(
     neg_inf: f32,
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    dropout: DropoutArgs,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -90,6 +92,7 @@ pub fn flash_forward<F: Float>(
         seq_kv,
         terms,
     );
+    let dropout = dropout.stream(sequence.batch, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
         let k0 = blocks.start(block, block_k);
@@ -130,13 +133,17 @@ pub fn flash_forward<F: Float>(
             block_max = max(block_max, s);
         }
 
-        // Online softmax: rescale what was accumulated, then add P·V.
+        // Online softmax: rescale what was accumulated, then add P·V (P dropped, its sum
+        // not).
         let alpha = state.rescale(block_max);
         scale_row(&mut acc, alpha, len_v, dim_v, config.columns);
         let mut block_sum = 0.0f32;
         for j in 0..block_k {
-            let p = probability(scores[j], state.m);
+            let mut p = probability(scores[j], state.m);
             block_sum += p;
+            if comptime!(terms.dropout) {
+                p *= dropout.factor(row, k0_u + j);
+            }
             add_scaled_staged(
                 &mut acc,
                 p,

@@ -28,6 +28,7 @@ use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms, add_to_columns};
 use crate::config::{FRAGMENT, RegisterMmaConfig};
+use crate::dropout::{DropoutArgs, apply_keep_bits};
 use crate::mask::Mask;
 use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
@@ -68,6 +69,7 @@ pub fn flash_forward_mma<F: Float>(
     neg_inf: f32,
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    dropout: DropoutArgs,
     #[comptime] config: RegisterMmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -133,6 +135,7 @@ pub fn flash_forward_mma<F: Float>(
     let v_landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let v_landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
+    let dropout = dropout.stream(sequence.batch, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     let blocks = mask.key_blocks(q_begin, q_end, block_kv, config.masked);
     // The score terms of the lane's rows `2 · tile + half`: where each row starts in the
@@ -472,6 +475,25 @@ pub fn flash_forward_mma<F: Float>(
                     s_acc[at] = pair;
                 }
                 row_sum[r] += block_sum;
+            }
+        }
+        // Dropout on the probabilities that multiply V, after their sum was taken.
+        if comptime!(terms.dropout) {
+            #[unroll]
+            for t in 0..m_tiles {
+                #[unroll]
+                for half in 0..2usize {
+                    let row = q_begin + plane_row + t * FRAGMENT + group + 8 * half;
+                    let keep = dropout.keep_bits(row, usize::cast_from(k0), s_tiles, false);
+                    apply_keep_bits(
+                        &mut s_acc,
+                        t * s_tiles,
+                        s_tiles,
+                        half,
+                        keep,
+                        dropout.kept_scale,
+                    );
+                }
             }
         }
 
