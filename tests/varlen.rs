@@ -74,10 +74,11 @@ fn expected(
         dv: vec![0.0; total_kv * d.heads_kv * d.dim_v],
     };
     let (mut q0, mut k0) = (0, 0);
-    for (&lq, &lk) in p.lengths_q.iter().zip(&p.lengths_kv) {
+    for (index, (&lq, &lk)) in p.lengths_q.iter().zip(&p.lengths_kv).enumerate() {
         if lq > 0 && lk > 0 {
             let one = Case {
                 dims: dims(1, d.heads_q, d.heads_kv, lq, lk, d.dim_qk, d.dim_v),
+                dropout_batch: index,
                 ..p.template
             };
             let sq = sequence_of(q, d.heads_q, d.dim_qk, q0, lq);
@@ -206,7 +207,7 @@ fn check_packed(client: &Client, p: &Packed, dtype: FloatDtype, path: KernelPath
 
 /// Packed batches: empty and one-token sequences, `s_q ≠ s_kv` both ways with a
 /// bottom-right causal mask per sequence, GQA, a window with a softcap, a head dim off the
-/// 16-byte grid.
+/// 16-byte grid, dropout (numbered by sequence).
 fn packed_cases() -> Vec<Packed> {
     vec![
         Packed {
@@ -214,6 +215,11 @@ fn packed_cases() -> Vec<Packed> {
             lengths_kv: vec![7, 3, 0, 37, 150],
             template: Case {
                 causal: true,
+                dropout: Some(burn_flash_attention::kernels::Dropout {
+                    p: 0.2,
+                    seed: 77,
+                    offset: 2,
+                }),
                 ..case(dims(0, 4, 2, 0, 0, 64, 64))
             },
         },

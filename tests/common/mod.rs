@@ -249,6 +249,8 @@ pub struct Case {
     pub deterministic: bool,
     /// Dropout on the probabilities.
     pub dropout: Option<burn_flash_attention::kernels::Dropout>,
+    /// The index the dropout gives batch entry 0 (a sequence's in a packed batch).
+    pub dropout_batch: usize,
 }
 
 pub const fn dims(
@@ -280,6 +282,7 @@ pub const fn case(dims: Dims) -> Case {
         scale: None,
         deterministic: false,
         dropout: None,
+        dropout_batch: 0,
     }
 }
 
@@ -405,7 +408,7 @@ impl Case {
                                     n / (d.seq_kv * d.seq_q) % d.heads_q,
                                     n / (d.seq_kv * d.seq_q * d.heads_q),
                                 );
-                                dropout.keeps(b, d.heads_q, h, i, j)
+                                dropout.keeps(self.dropout_batch + b, d.heads_q, h, i, j)
                             })
                             .collect(),
                         shape,
@@ -421,7 +424,9 @@ impl Case {
     pub fn dropout_factor(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
         match self.dropout {
             None => 1.0,
-            Some(d) if d.keeps(b, self.dims.heads_q, h, i, j) => f64::from(d.kept_scale()),
+            Some(d) if d.keeps(self.dropout_batch + b, self.dims.heads_q, h, i, j) => {
+                f64::from(d.kept_scale())
+            }
             Some(_) => 0.0,
         }
     }

@@ -20,7 +20,10 @@ use crate::launch::DeviceTensor;
 /// first query and key row, and its lengths.
 #[derive(CubeType, Clone, Copy)]
 pub struct Sequence {
+    /// Batch index into the tensors (0 in a packed batch's `[1, heads, total, dim]` views).
     pub batch: usize,
+    /// Which sequence: the batch entry, or a packed batch's sequence.
+    pub index: usize,
     pub q_first: usize,
     pub kv_first: usize,
     pub seq_q: usize,
@@ -41,6 +44,7 @@ impl Sequence {
     ) -> Sequence {
         let mut sequence = Sequence {
             batch,
+            index: batch,
             q_first: 0,
             kv_first: 0,
             seq_q: q.shape(2),

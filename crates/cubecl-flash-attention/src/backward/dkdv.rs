@@ -109,7 +109,7 @@ pub fn flash_backward_dkdv<F: Float>(
         let head_q = head_kv * group + g;
         let terms_line =
             BiasLine::along_queries(bias, alibi_slopes, batch, head_q, key, seq_q, seq_kv, terms);
-        let dropout = dropout.stream(batch, q.shape(1), head_q);
+        let dropout = dropout.stream(sequence.index, q.shape(1), head_q);
         for block in 0..blocks.count {
             let q0 = blocks.start(block, block_q);
             let q0_u = usize::cast_from(q0);

@@ -401,7 +401,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         let mut kept_scale = 1.0f32;
         if comptime!(terms.dropout) {
             let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
-            let stream = dropout.stream(batch, q.shape(1), head_q);
+            let stream = dropout.stream(sequence.index, q.shape(1), head_q);
             kept_scale = stream.kept_scale;
             #[unroll]
             for half in 0..2usize {

@@ -104,7 +104,7 @@ pub fn flash_backward_dq<F: Float>(
         terms,
     );
     let grad_line = BiasGradLine::along_keys(dbias, batch, head.head_q, min(row, seq_q - 1));
-    let dropout = dropout.stream(batch, q.shape(1), head.head_q);
+    let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
         let k0 = blocks.start(block, block_k);

@@ -99,7 +99,7 @@ pub fn flash_backward_dq_cmma<F: Float>(
         terms,
     );
     let grad_line = BiasGradLine::along_keys(dbias, batch, head.head_q, min(row, seq_q - 1));
-    let dropout = dropout.stream(batch, q.shape(1), head.head_q);
+    let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, SHARED_ALIGN);
     let mut do_tile = Shared::<[F]>::new_aligned_slice(block_q * v_ld, SHARED_ALIGN);

@@ -118,7 +118,7 @@ pub fn flash_backward_dq_mma<F: Float>(
     let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let dropout = dropout.stream(batch, q.shape(1), head.head_q);
+    let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
     // The score terms of the lane's rows g and g + 8: where each starts in the bias and its

@@ -127,7 +127,7 @@ pub fn flash_forward_cmma<F: Float>(
         seq_kv,
         terms,
     );
-    let dropout = dropout.stream(batch, q.shape(1), head.head_q);
+    let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
         let k0 = blocks.start(block, block_k);

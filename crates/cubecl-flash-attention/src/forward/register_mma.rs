@@ -135,7 +135,7 @@ pub fn flash_forward_mma<F: Float>(
     let v_landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let v_landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let dropout = dropout.stream(sequence.batch, q.shape(1), head.head_q);
+    let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     let blocks = mask.key_blocks(q_begin, q_end, block_kv, config.masked);
     // The score terms of the lane's rows `2 · tile + half`: where each row starts in the
