@@ -38,6 +38,12 @@ fn cases() -> Vec<Case> {
             dropout: dropout(0.17, u64::MAX - 5, 0),
             ..case(dims(1, 2, 1, 70, 45, 64, 64))
         },
+        // s_q < s_kv, causal, several key blocks, GQA: on the register-level path too.
+        Case {
+            causal: true,
+            dropout: dropout(0.2, 77, 2),
+            ..case(dims(1, 4, 2, 67, 150, 64, 64))
+        },
         // s_q > s_kv, causal: the first rows see no key.
         Case {
             causal: true,

@@ -413,7 +413,7 @@ impl Case {
                             .collect(),
                         shape,
                     },
-                    p: f64::from(dropout.p),
+                    p: dropout.effective_p(),
                 }
             }),
             ..Default::default()

@@ -1,17 +1,21 @@
 //! Dropout on the attention probabilities, regenerated in the backward, never stored.
 //!
 //! Probability `P[b, h, i, j]` is kept, and scaled by `1/(1 − p)`, when a counter-based
-//! random word is at least `p · 2³²`; otherwise it is zeroed. The word is a pure function of
-//! the seed, the offset and the coordinates, so the forward and the backward, every kernel
-//! path and every device draw the same keep-mask, and [`Dropout::keeps`] computes it on the
-//! host for the oracle.
+//! random byte is at least `p · 256` (rounded: `p` takes effect in steps of 1/256, as in
+//! FlashAttention-2, and the scale uses the rounded `p`); otherwise it is zeroed. The byte
+//! is a pure function of the seed, the offset and the coordinates, so the forward and the
+//! backward, every kernel path and every device draw the same keep-mask, and
+//! [`Dropout::keeps`] computes it on the host for the oracle.
 //!
-//! The words come from Philox-4×32-10 (Salmon et al., *Parallel random numbers: as easy as
-//! 1, 2, 3*, SC 2011): keyed by the 64-bit seed, one call gives the four words of a 2 × 2
-//! block of the score matrix, counter `(j / 2, i / 2, b · h_q + h, offset)`, word
-//! `2 · (i % 2) + j % 2`. A lane of the register kernels holds two adjacent keys of a query
-//! (or, in the dK/dV kernels that hold `Sᵀ`, two adjacent queries of a key), so one call
-//! serves both. Indices are those within a sequence, `b` a packed batch's sequence.
+//! The bytes come from Philox-4×32-10 (Salmon et al., *Parallel random numbers: as easy as
+//! 1, 2, 3*, SC 2011), keyed by the 64-bit seed. One call gives the 16 bytes of a block of
+//! queries `{i, i + 8}` and keys `{j, j + 1} + {0, 8, 16, 24}` (`i % 16 < 8`, `j % 32 < 8`,
+//! `j` even): counter `(4 · ⌊j/32⌋ + (j % 8)/2, 8 · ⌊i/16⌋ + i % 8, b · h_q + h, offset)`,
+//! byte `8 · (i/8 % 2) + 2 · (j/8 % 4) + j % 2` ([`block_of`]). Those 16 probabilities are
+//! what one lane of the register kernels holds of a 16-query × 32-key tile, so the forward
+//! and the dQ kernel draw once per 16; the dK/dV kernel, which holds `Sᵀ` (two keys of many
+//! queries), uses 4 of each call. Indices are those within a sequence, `b` a packed
+//! batch's sequence.
 //!
 //! The forward keeps `O = (P ⊙ Z)·V / rowsum(P)` with `Z` the scaled keep-mask; the
 //! backward takes `dV = (P ⊙ Z)ᵀ·dO` and `dS = P ⊙ (dP ⊙ Z − D)`, `D = rowsum(dO ⊙ O)` as
@@ -32,7 +36,8 @@ const PHILOX_ROUNDS: u32 = 10;
 /// Dropout of one attention call.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Dropout {
-    /// Probability that a probability is dropped, in `[0, 1)`.
+    /// Probability that a probability is dropped, in `[0, 1)`; it takes effect rounded to a
+    /// multiple of 1/256 ([`Dropout::effective_p`]).
     pub p: f32,
     /// The random stream's key.
     pub seed: u64,
@@ -58,29 +63,34 @@ impl Dropout {
         self.p > 0.0
     }
 
-    /// A random word is kept when at least this (`p · 2³²`, rounded).
+    /// A random byte is kept when at least this: `p · 256`, rounded (at most 255).
     pub fn threshold(&self) -> u32 {
-        (f64::from(self.p) * 4_294_967_296.0)
-            .round()
-            .min(f64::from(u32::MAX)) as u32
+        (f64::from(self.p) * 256.0).round().min(255.0) as u32
     }
 
-    /// What a kept probability is multiplied by.
+    /// What a kept probability is multiplied by: `1/(1 − p)` for `p` as rounded.
     pub fn kept_scale(&self) -> f32 {
-        1.0 / (1.0 - self.p)
+        256.0 / (256 - self.threshold()) as f32
+    }
+
+    /// The probability of a drop as the kernels apply it (`p` rounded to 1/256).
+    pub fn effective_p(&self) -> f64 {
+        f64::from(self.threshold()) / 256.0
     }
 
     /// Whether probability `(batch, head, i, j)` of a problem with `heads_q` query heads is
     /// kept: the kernels' decision, on the host.
     pub fn keeps(&self, batch: usize, heads_q: usize, head: usize, i: usize, j: usize) -> bool {
+        let (counter, byte) = block_of(i, j);
         let counter = [
-            (j / 2) as u32,
-            (i / 2) as u32,
+            counter[0],
+            counter[1],
             (batch * heads_q + head) as u32,
             self.offset,
         ];
         let key = [self.seed as u32, (self.seed >> 32) as u32];
-        philox(counter, key)[2 * (i % 2) + j % 2] >= self.threshold()
+        let word = philox(counter, key)[byte / 4];
+        (word >> (8 * (byte % 4))) & 0xff >= self.threshold()
     }
 
     /// The kernels' arguments.
@@ -98,6 +108,12 @@ impl Dropout {
     pub(crate) fn inactive_args() -> DropoutArgsLaunch {
         DropoutArgsLaunch::new(0, 0, 0, 0, 1.0)
     }
+}
+
+/// The first two counter words of probability `(i, j)` and its byte among the call's 16.
+pub fn block_of(i: usize, j: usize) -> ([u32; 2], usize) {
+    let counter = [(4 * (j / 32) + j % 8 / 2) as u32, (8 * (i / 16) + i % 8) as u32];
+    (counter, 8 * (i / 8 % 2) + 2 * (j / 8 % 4) + j % 2)
 }
 
 /// Philox-4×32-10 on the host: the four words of `counter` under `key`.
@@ -191,13 +207,25 @@ impl DropoutArgs {
     }
 }
 
+/// Byte `byte` of `words`.
+#[cube]
+fn byte_of(words: &Words, byte: u32) -> u32 {
+    let word = select(
+        byte < 8,
+        select(byte < 4, words.x0, words.x1),
+        select(byte < 12, words.x2, words.x3),
+    );
+    (word >> ((byte % 4) * 8)) & 0xff
+}
+
 #[cube]
 impl DropoutStream {
-    /// The words of the 2 × 2 block of queries `2a, 2a + 1` and keys `2b, 2b + 1`.
-    fn block(&self, query_pair: usize, key_pair: usize) -> Words {
+    /// The 16 bytes of the block whose counter starts with `key_block`, `query_block`
+    /// ([`block_of`]).
+    fn block(&self, key_block: usize, query_block: usize) -> Words {
         let counter = Words {
-            x0: u32::cast_from(key_pair),
-            x1: u32::cast_from(query_pair),
+            x0: u32::cast_from(key_block),
+            x1: u32::cast_from(query_block),
             x2: self.stream,
             x3: self.offset,
         };
@@ -206,49 +234,83 @@ impl DropoutStream {
 
     /// What probability `(i, j)` is multiplied by: 0 or the kept scale.
     pub fn factor(&self, i: usize, j: usize) -> f32 {
-        let words = self.block(i / 2, j / 2);
-        let word = select(
-            i % 2 == 0,
-            select(j % 2 == 0, words.x0, words.x1),
-            select(j % 2 == 0, words.x2, words.x3),
-        );
-        select(word >= self.threshold, self.kept_scale, 0.0f32)
+        let words = self.block(4 * (j / 32) + j % 8 / 2, 8 * (i / 16) + i % 8);
+        let byte = 8 * (i / 8 % 2) + 2 * (j / 8 % 4) + j % 2;
+        select(
+            byte_of(&words, u32::cast_from(byte)) >= self.threshold,
+            self.kept_scale,
+            0.0f32,
+        )
     }
 
-    /// The keep-mask of the lane's elements of one line of `tiles` accumulator tiles side by
-    /// side (the layout of [`crate::mma_sync::hide_columns`]): bit `2n + e` for position
-    /// `p0 + 8n + 2 · (lane % 4) + e` of the line (`p0` even). The line is query `line` against keys
-    /// (`along_queries` false) or key `line` against queries.
+    /// The keep-masks of the lane's elements of two lines, `line` and `line + 8`
+    /// (`line % 16 < 8`), of `tiles` accumulator tiles side by side (the layout of
+    /// [`crate::mma_sync::hide_columns`]): in word `half`, bit `2n + e` for position
+    /// `p0 + 8n + 2 · (lane % 4) + e`. The lines are queries against keys (`along_queries`
+    /// false: `p0` a multiple of 32, or of 16 with 2 tiles) or keys against queries (`p0` a
+    /// multiple of 16).
     pub fn keep_bits(
         &self,
         line: usize,
         p0: usize,
         #[comptime] tiles: usize,
         #[comptime] along_queries: bool,
-    ) -> u32 {
-        comptime! { assert!(2 * tiles <= 32, "a line's keep-mask holds 32 bits") };
-        let first = p0 + 2 * (UNIT_POS_PLANE as usize % 4);
-        let odd_line = line % 2 == 1;
-        let mut bits = 0u32;
-        #[unroll]
-        for n in 0..tiles {
-            let pair = (first + n * 8) / 2;
-            let words = if comptime!(along_queries) {
-                self.block(pair, line / 2)
-            } else {
-                self.block(line / 2, pair)
-            };
-            // The line's two words: for a query, its row of the block (words 0, 1 or 2, 3);
-            // for a key, its column (words 0, 2 or 1, 3).
-            let (even_second, odd_first) = if comptime!(along_queries) {
-                (words.x2, words.x1)
-            } else {
-                (words.x1, words.x2)
-            };
-            let w0 = select(odd_line, odd_first, words.x0);
-            let w1 = select(odd_line, words.x3, even_second);
-            bits |= select(w0 >= self.threshold, 1u32, 0u32) << u32::cast_from(2 * n);
-            bits |= select(w1 >= self.threshold, 2u32, 0u32) << u32::cast_from(2 * n);
+    ) -> Array<u32> {
+        comptime! {
+            assert!(
+                tiles <= 16 && (tiles % 4 == 0 || tiles == 2),
+                "dropout's keep-masks take tiles of 16 or a multiple of 32 positions, at most 128"
+            )
+        };
+        let pair = 2 * (UNIT_POS_PLANE as usize % 4);
+        let mut bits = Array::<u32>::new(2usize);
+        bits[0] = 0u32;
+        bits[1] = 0u32;
+        if comptime!(along_queries) {
+            // Both keys share each call; it serves queries `q` and `q + 8`.
+            let key_block = 4 * (line / 32) + line % 8 / 2;
+            let key_byte = 2 * (line / 8 % 4) + line % 2;
+            #[unroll]
+            for m in 0..comptime!(tiles / 2) {
+                #[unroll]
+                for e in 0..2usize {
+                    let query = p0 + 16 * m + pair + e;
+                    let words = self.block(key_block, 8 * (query / 16) + query % 8);
+                    #[unroll]
+                    for h in 0..2usize {
+                        #[unroll]
+                        for half in 0..2usize {
+                            let byte = 8 * h + key_byte + 2 * half;
+                            let kept = byte_of(&words, u32::cast_from(byte)) >= self.threshold;
+                            let bit = 2 * (2 * m + h) + e;
+                            bits[half] |= select(kept, 1u32, 0u32) << u32::cast_from(bit);
+                        }
+                    }
+                }
+            }
+        } else {
+            // One call per 32 keys serves both lines.
+            let query_block = 8 * (line / 16) + line % 8;
+            let per_call = comptime!(tiles.min(4));
+            #[unroll]
+            for g in 0..comptime!(tiles / per_call) {
+                let first = p0 + 32 * g + pair;
+                let words = self.block(4 * (first / 32) + first % 8 / 2, query_block);
+                #[unroll]
+                for nn in 0..per_call {
+                    let n = g * per_call + nn;
+                    let key = first + 8 * nn;
+                    #[unroll]
+                    for e in 0..2usize {
+                        #[unroll]
+                        for half in 0..2usize {
+                            let byte = 8 * half + 2 * (key / 8 % 4) + e;
+                            let kept = byte_of(&words, u32::cast_from(byte)) >= self.threshold;
+                            bits[half] |= select(kept, 1u32, 0u32) << u32::cast_from(2 * n + e);
+                        }
+                    }
+                }
+            }
         }
         bits
     }

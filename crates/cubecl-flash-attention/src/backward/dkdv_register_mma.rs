@@ -403,11 +403,11 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
             let stream = dropout.stream(sequence.index, q.shape(1), head_q);
             kept_scale = stream.kept_scale;
-            #[unroll]
-            for half in 0..2usize {
-                let key = k_begin + plane_row + group + 8 * half;
-                keep[half] = stream.keep_bits(key, usize::cast_from(q0), s_tiles, true);
-                if comptime!(with_dk) {
+            let key = k_begin + plane_row + group;
+            keep = stream.keep_bits(key, usize::cast_from(q0), s_tiles, true);
+            if comptime!(with_dk) {
+                #[unroll]
+                for half in 0..2usize {
                     apply_keep_bits(&mut dp_acc, 0, s_tiles, half, keep[half], kept_scale);
                 }
             }

@@ -344,11 +344,11 @@ pub fn flash_backward_dq_mma<F: Float>(
 
         // Dropout: dP times the keep-mask's factor.
         if comptime!(terms.dropout) {
+            let row = q_begin + plane_row + group;
+            let keep = dropout.keep_bits(row, usize::cast_from(k0), s_tiles, false);
             #[unroll]
             for half in 0..2usize {
-                let row = q_begin + plane_row + group + 8 * half;
-                let keep = dropout.keep_bits(row, usize::cast_from(k0), s_tiles, false);
-                apply_keep_bits(&mut dp_acc, 0, s_tiles, half, keep, dropout.kept_scale);
+                apply_keep_bits(&mut dp_acc, 0, s_tiles, half, keep[half], dropout.kept_scale);
             }
         }
 

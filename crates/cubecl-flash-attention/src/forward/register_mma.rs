@@ -481,18 +481,12 @@ pub fn flash_forward_mma<F: Float>(
         if comptime!(terms.dropout) {
             #[unroll]
             for t in 0..m_tiles {
+                let row = q_begin + plane_row + t * FRAGMENT + group;
+                let keep = dropout.keep_bits(row, usize::cast_from(k0), s_tiles, false);
                 #[unroll]
                 for half in 0..2usize {
-                    let row = q_begin + plane_row + t * FRAGMENT + group + 8 * half;
-                    let keep = dropout.keep_bits(row, usize::cast_from(k0), s_tiles, false);
-                    apply_keep_bits(
-                        &mut s_acc,
-                        t * s_tiles,
-                        s_tiles,
-                        half,
-                        keep,
-                        dropout.kept_scale,
-                    );
+                    let scale = dropout.kept_scale;
+                    apply_keep_bits(&mut s_acc, t * s_tiles, s_tiles, half, keep[half], scale);
                 }
             }
         }
