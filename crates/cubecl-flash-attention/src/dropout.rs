@@ -112,7 +112,10 @@ impl Dropout {
 
 /// The first two counter words of probability `(i, j)` and its byte among the call's 16.
 pub fn block_of(i: usize, j: usize) -> ([u32; 2], usize) {
-    let counter = [(4 * (j / 32) + j % 8 / 2) as u32, (8 * (i / 16) + i % 8) as u32];
+    let counter = [
+        (4 * (j / 32) + j % 8 / 2) as u32,
+        (8 * (i / 16) + i % 8) as u32,
+    ];
     (counter, 8 * (i / 8 % 2) + 2 * (j / 8 % 4) + j % 2)
 }
 

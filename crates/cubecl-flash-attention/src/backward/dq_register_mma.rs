@@ -348,7 +348,14 @@ pub fn flash_backward_dq_mma<F: Float>(
             let keep = dropout.keep_bits(row, usize::cast_from(k0), s_tiles, false);
             #[unroll]
             for half in 0..2usize {
-                apply_keep_bits(&mut dp_acc, 0, s_tiles, half, keep[half], dropout.kept_scale);
+                apply_keep_bits(
+                    &mut dp_acc,
+                    0,
+                    s_tiles,
+                    half,
+                    keep[half],
+                    dropout.kept_scale,
+                );
             }
         }
 
