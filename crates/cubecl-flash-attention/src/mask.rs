@@ -194,36 +194,48 @@ impl Blocks {
 impl Mask {
     /// The key blocks of `size` keys the queries `[q_begin, q_end)` visit: every key, or with
     /// `masked` only the range some of them see.
+    ///
+    /// With `aligned` the first block starts at a multiple of `size` (dropout draws its
+    /// random bytes for aligned tiles of keys); the keys added before the first visible one
+    /// are masked as in any block that straddles the mask's edge.
     pub fn key_blocks(
         &self,
         q_begin: usize,
         q_end: usize,
         #[comptime] size: usize,
         #[comptime] masked: bool,
+        #[comptime] aligned: bool,
     ) -> Blocks {
         let mut first = 0i32;
         let mut last = self.seq_kv;
         if masked {
             first = self.key_begin(i32::cast_from(q_begin));
             last = self.key_end(i32::cast_from(q_end));
+            if comptime!(aligned) {
+                first -= first % i32::cast_from(size);
+            }
         }
         Blocks::covering(first, last, size)
     }
 
     /// The query blocks of `size` queries that see any key of `[k_begin, k_end)` (every
-    /// query unless `masked`).
+    /// query unless `masked`); `aligned` as for [`Mask::key_blocks`].
     pub fn query_blocks(
         &self,
         k_begin: usize,
         k_end: usize,
         #[comptime] size: usize,
         #[comptime] masked: bool,
+        #[comptime] aligned: bool,
     ) -> Blocks {
         let mut first = 0i32;
         let mut last = self.seq_q;
         if masked {
             first = self.query_begin(i32::cast_from(k_begin));
             last = self.query_end(i32::cast_from(k_end));
+            if comptime!(aligned) {
+                first -= first % i32::cast_from(size);
+            }
         }
         Blocks::covering(first, last, size)
     }

@@ -102,7 +102,7 @@ pub fn flash_backward_dkdv<F: Float>(
     let mut delta_tile = Shared::<[f32]>::new_slice(block_q);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked);
+    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked, false);
     let key_i = i32::cast_from(key);
 
     for g in 0..group {

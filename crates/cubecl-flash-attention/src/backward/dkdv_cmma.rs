@@ -144,7 +144,7 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     let dv_acc = zero_accumulators(dv_p / FRAGMENT);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked);
+    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked, false);
 
     for g in 0..group {
         let head_q = head_kv * group + g;

@@ -157,7 +157,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked);
+    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked, terms.dropout);
     // Every query head of the group, each over the same query blocks.
     let steps = blocks.count * i32::cast_from(group_size);
 

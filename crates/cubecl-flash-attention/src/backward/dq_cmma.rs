@@ -136,7 +136,7 @@ pub fn flash_backward_dq_cmma<F: Float>(
     let dq_acc = zero_accumulators(dqk / FRAGMENT);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
+    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked, false);
     let row_i = i32::cast_from(row);
 
     for block in 0..blocks.count {

@@ -120,7 +120,7 @@ pub fn flash_backward_dq_mma<F: Float>(
 
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
+    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked, terms.dropout);
     // The score terms of the lane's rows g and g + 8: where each starts in the bias and its
     // ALiBi center, kept across the key blocks (token arrays without terms).
     let terms_rows = comptime!(if terms.any() { 2usize } else { 1 });

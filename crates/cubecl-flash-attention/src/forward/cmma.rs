@@ -115,7 +115,7 @@ pub fn flash_forward_cmma<F: Float>(
     let mut state = RunningState::init();
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked);
+    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked, false);
     let row_i = i32::cast_from(row);
     let terms_line = BiasLine::along_keys(
         bias,

@@ -137,7 +137,7 @@ pub fn flash_forward_mma<F: Float>(
 
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_kv, config.masked);
+    let blocks = mask.key_blocks(q_begin, q_end, block_kv, config.masked, terms.dropout);
     // The score terms of the lane's rows `2 · tile + half`: where each row starts in the
     // bias and its ALiBi center, kept across the key blocks (a token array without terms).
     let terms_rows = comptime!(if terms.any() { 2 * m_tiles } else { 1 });
