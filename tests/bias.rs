@@ -16,7 +16,9 @@ use burn_flash_attention::{
 use cubecl::client::Client;
 use rand::Rng;
 
-use crate::common::{self, Case, assert_close, case, dims, download, naive, poisoned, upload};
+use crate::common::{
+    self, Case, assert_close, case, dims, download, naive, poisoned, tensor, upload, values,
+};
 
 /// ALiBi slopes: one per query head, or one per (batch, query head).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -431,20 +433,6 @@ fn terms_of_the_wrong_shape_are_named() {
             .unwrap_or_else(|| panic!("{arg} of the wrong shape was taken"));
         assert!(err.to_string().contains(arg), "{err}");
     }
-}
-
-fn tensor<const D: usize>(data: &[f64], shape: [usize; D], device: &Device) -> Tensor<D> {
-    let data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
-    Tensor::from_data(TensorData::new(data, shape), device)
-}
-
-fn values<const D: usize>(t: Tensor<D>) -> Vec<f64> {
-    let data = t.into_data().convert::<f32>();
-    data.try_to_vec::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
-        .collect()
 }
 
 /// The Burn op under autodiff on `device`: a trained bias `[1, h, s_q, s_kv]`, a key padding

@@ -1070,20 +1070,7 @@ mod op {
     };
 
     use super::*;
-
-    fn tensor(data: &[f64], shape: [usize; 4], device: &Device) -> Tensor<4> {
-        let data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
-        Tensor::from_data(TensorData::new(data, shape), device)
-    }
-
-    fn values<const D: usize>(t: Tensor<D>) -> Vec<f64> {
-        let data = t.into_data().convert::<f32>();
-        data.try_to_vec::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect()
-    }
+    use crate::common::{tensor, values};
 
     fn ints<const D: usize>(data: Vec<i64>, shape: [usize; D], device: &Device) -> Tensor<D, Int> {
         Tensor::from_data(TensorData::new(data, shape), device)

@@ -4,7 +4,7 @@
 
 use burn::module::Module;
 use burn::nn::DropoutConfig;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::Device;
 use burn_flash_attention::kernels::{
     AttentionOptions, FloatDtype, KernelPath,
     dropout::{Dropout, philox},
@@ -16,7 +16,7 @@ use burn_flash_attention::{
     flash_attention_biased, seed_dropout,
 };
 
-use crate::common::{self, Case, case, dims, download, upload};
+use crate::common::{self, Case, case, dims, download, tensor, upload, values};
 use crate::kernels::{Layout, check_case};
 
 fn dropout(p: f32, seed: u64, offset: u32) -> Option<Dropout> {
@@ -188,20 +188,6 @@ fn a_dropout_probability_outside_0_1_is_named() {
             .unwrap_or_else(|| panic!("dropout {p} was taken"));
         assert!(err.to_string().contains("`dropout`"), "{err}");
     }
-}
-
-fn tensor<const D: usize>(data: &[f64], shape: [usize; D], device: &Device) -> Tensor<D> {
-    let data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
-    Tensor::from_data(TensorData::new(data, shape), device)
-}
-
-fn values<const D: usize>(t: Tensor<D>) -> Vec<f64> {
-    let data = t.into_data().convert::<f32>();
-    data.try_to_vec::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
-        .collect()
 }
 
 /// The Burn op under autodiff with dropout and a trained bias, fused and composed, against

@@ -481,3 +481,23 @@ pub fn bytes_in_use(client: &Client) -> u64 {
         .usage()
         .bytes_in_use
 }
+
+/// A Burn f32 tensor of `shape` from f64 values.
+pub fn tensor<const D: usize>(
+    data: &[f64],
+    shape: [usize; D],
+    device: &burn::tensor::Device,
+) -> burn::tensor::Tensor<D> {
+    let data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+    burn::tensor::Tensor::from_data(burn::tensor::TensorData::new(data, shape), device)
+}
+
+/// A Burn float tensor's values, as f64.
+pub fn values<const D: usize>(t: burn::tensor::Tensor<D>) -> Vec<f64> {
+    let data = t.into_data().convert::<f32>();
+    data.try_to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
