@@ -4,7 +4,7 @@
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use burn_flash_attention::kernels::{
-    FloatDtype, KernelPath, ScoreBias,
+    BlockMask, BlockShape, FloatDtype, KernelPath, ScoreBias,
     backward::{Saved, backward_biased},
     forward::forward_biased,
     reference::{self, Broadcast4},
@@ -38,6 +38,8 @@ struct TermsCase {
     hidden: fn(usize, usize, usize, usize) -> bool,
     alibi: Alibi,
     grad: bool,
+    /// A block mask over the problem ([`BlockMask`]), intersected with the other masks.
+    blocks: Option<fn(&Case) -> BlockMask>,
 }
 
 fn nothing_hidden(_: usize, _: usize, _: usize, _: usize) -> bool {
@@ -58,6 +60,7 @@ fn cases() -> Vec<TermsCase> {
             hidden: nothing_hidden,
             alibi: Alibi::PerHead,
             grad: true,
+            blocks: None,
         },
         // Broadcast over the batch (gradient summed), window and softcap.
         TermsCase {
@@ -70,6 +73,7 @@ fn cases() -> Vec<TermsCase> {
             hidden: |_, _, i, j| (i + j) % 7 == 0,
             alibi: Alibi::None,
             grad: true,
+            blocks: None,
         },
         // A mask as −∞: batch 2 sees no key, some rows of batch 1 none either; ALiBi per
         // (batch, head); broadcast over heads.
@@ -79,6 +83,7 @@ fn cases() -> Vec<TermsCase> {
             hidden: |b, _, i, j| b == 2 || (b == 1 && i % 5 == 0) || (b == 0 && j > 24),
             alibi: Alibi::PerBatchHead,
             grad: true,
+            blocks: None,
         },
         // Key padding `[b, 1, 1, s_kv]`, causal with s_q > s_kv (rows without keys), MQA.
         TermsCase {
@@ -90,6 +95,7 @@ fn cases() -> Vec<TermsCase> {
             hidden: |b, _, _, j| b == 1 && j >= 9,
             alibi: Alibi::None,
             grad: true,
+            blocks: None,
         },
         // A deterministic backward: the broadcast bias's gradient added up in a pass of its
         // own (over the batch and the queries here).
@@ -103,6 +109,7 @@ fn cases() -> Vec<TermsCase> {
             hidden: |_, _, _, j| j == 3,
             alibi: Alibi::None,
             grad: true,
+            blocks: None,
         },
         // ALiBi alone, no gradient asked.
         TermsCase {
@@ -114,9 +121,77 @@ fn cases() -> Vec<TermsCase> {
             hidden: nothing_hidden,
             alibi: Alibi::PerHead,
             grad: false,
+            blocks: None,
+        },
+        // Block masks: packed documents, causal, of lengths that straddle the blocks (a
+        // different split per batch), GQA.
+        TermsCase {
+            case: case(dims(2, 4, 2, 300, 300, 32, 32)),
+            bias: None,
+            hidden: nothing_hidden,
+            alibi: Alibi::None,
+            grad: false,
+            blocks: Some(|c| {
+                let ends: [&[usize]; 2] = [&[70, 220, 300], &[128, 131, 300]];
+                let ids: Vec<Vec<u32>> = ends
+                    .iter()
+                    .map(|ends| {
+                        (0..c.dims.seq_q)
+                            .map(|t| ends.iter().position(|&e| t < e).unwrap() as u32)
+                            .collect()
+                    })
+                    .collect();
+                BlockMask::documents(&ids, &ids, true, B128).unwrap()
+            }),
+        },
+        // Prefix-LM with s_q < s_kv, blocks of 128 × 256, MQA, ALiBi.
+        TermsCase {
+            case: case(dims(2, 3, 1, 200, 330, 40, 24)),
+            bias: None,
+            hidden: nothing_hidden,
+            alibi: Alibi::PerHead,
+            grad: false,
+            blocks: Some(|c| {
+                let blocks = BlockShape {
+                    block_q: 128,
+                    block_kv: 256,
+                };
+                BlockMask::prefix_lm(&[150, 3], c.dims.seq_q, c.dims.seq_kv, blocks).unwrap()
+            }),
+        },
+        // A mask per (batch, head) from a predicate: empty, full and partial blocks, rows it
+        // hides completely, s_q > s_kv, GQA, a window on top and a bias with its gradient.
+        TermsCase {
+            case: Case {
+                window: (Some(150), None),
+                ..case(dims(2, 2, 1, 260, 140, 32, 32))
+            },
+            bias: Some([1, 2, 1, 140]),
+            hidden: nothing_hidden,
+            alibi: Alibi::None,
+            grad: true,
+            blocks: Some(|c| {
+                let d = c.dims;
+                BlockMask::from_fn(
+                    [d.batch, d.heads_q, d.seq_q, d.seq_kv],
+                    B128,
+                    |b, h, i, j| {
+                        let empty = b == 1 && i < 128 && j >= 128;
+                        let full = b == 0 && i >= 128 && j < 128;
+                        let hidden_row = i % 50 == 7;
+                        full || (!empty && !hidden_row && (i * 7 + j * 13 + h) % 5 != 0)
+                    },
+                )
+                .unwrap()
+            }),
         },
     ]
 }
+
+const B128: BlockShape = BlockShape {
+    block_q: 128,
+    block_kv: 128,
+};
 
 /// The bias's values (`−∞` where `hidden`) and the ALiBi slopes (flattened `[h]` or
 /// `[b, h]`).
@@ -160,8 +235,24 @@ fn reference_options(
     t: &TermsCase,
     bias: &Option<Vec<f64>>,
     slopes: &[f64],
+    blocks: Option<&BlockMask>,
 ) -> reference::ReferenceOptions {
+    let d = t.case.dims;
+    let shape = [d.batch, d.heads_q, d.seq_q, d.seq_kv];
     reference::ReferenceOptions {
+        bool_mask: blocks.map(|m| Broadcast4 {
+            data: (0..shape.iter().product())
+                .map(|n| {
+                    let (j, i) = (n % d.seq_kv, n / d.seq_kv % d.seq_q);
+                    let (h, b) = (
+                        n / (d.seq_kv * d.seq_q) % d.heads_q,
+                        n / (d.seq_kv * d.seq_q * d.heads_q),
+                    );
+                    !m.is_visible(b, h, i, j)
+                })
+                .collect(),
+            shape,
+        }),
         bias: bias.clone().map(|data| Broadcast4 {
             data,
             shape: t.bias.unwrap(),
@@ -224,9 +315,12 @@ fn check(client: &Client, t: &TermsCase, dtype: FloatDtype, path: KernelPath) {
         .map(|b| upload(client, b, &t.bias.unwrap(), dtype));
     let alibi =
         (!slopes.is_empty()).then(|| upload(client, &slopes, &slopes_shape(t), FloatDtype::F32));
+    let host_blocks = t.blocks.map(|build| build(&t.case));
+    let blocks = host_blocks.as_ref().map(|m| m.upload(client));
     let terms = ScoreBias {
         bias: bias.as_ref(),
         alibi_slopes: alibi.as_ref(),
+        block_mask: blocks.as_ref(),
     };
 
     // Outputs are fresh allocations: poison the pool they come from.
@@ -257,10 +351,16 @@ fn check(client: &Client, t: &TermsCase, dtype: FloatDtype, path: KernelPath) {
     )
     .unwrap_or_else(|e| panic!("backward: {e} — {context}"));
 
-    let opts = reference_options(t, &bias_data, &slopes);
+    let opts = reference_options(t, &bias_data, &slopes, host_blocks.as_ref());
     let want = reference::forward(&d, &opts, &x[0], &x[1], &x[2]);
     let want_grads = reference::backward(&d, &opts, &x[0], &x[1], &x[2], &x[3]);
     let bias_at = |b: usize, h: usize, i: usize, j: usize| {
+        if host_blocks
+            .as_ref()
+            .is_some_and(|m| !m.is_visible(b, h, i, j))
+        {
+            return f64::NEG_INFINITY;
+        }
         let mut s = match (&bias_data, t.bias) {
             (Some(data), Some([bb, hh, sq, skv])) => {
                 let pick = |n: usize, x: usize| if n == 1 { 0 } else { x };
@@ -368,6 +468,7 @@ fn a_deterministic_bias_gradient_is_bitwise_reproducible() {
     let terms = ScoreBias {
         bias: Some(&bias),
         alibi_slopes: None,
+        block_mask: None,
     };
     let options = Case {
         deterministic: true,
@@ -416,6 +517,7 @@ fn terms_of_the_wrong_shape_are_named() {
             ScoreBias {
                 bias: Some(&wrong_bias),
                 alibi_slopes: None,
+                block_mask: None,
             },
             "`bias`",
         ),
@@ -423,6 +525,7 @@ fn terms_of_the_wrong_shape_are_named() {
             ScoreBias {
                 bias: None,
                 alibi_slopes: Some(&wrong_slopes),
+                block_mask: None,
             },
             "`alibi_slopes`",
         ),

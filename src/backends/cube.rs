@@ -134,6 +134,7 @@ impl FlashAttentionOps for CubeBackend {
                     ScoreBias {
                         bias: options.bias.then_some(&bias),
                         alibi_slopes: options.alibi.then_some(&slopes),
+                        block_mask: None,
                     },
                     dtype,
                     options.attention.kernel_options(),
@@ -169,6 +170,7 @@ impl FlashAttentionOps for CubeBackend {
                 let terms = ScoreBias {
                     bias: options.bias.then_some(&bias),
                     alibi_slopes: options.alibi.then_some(&slopes),
+                    block_mask: None,
                 };
                 let (grads, d_bias) = backward_biased(
                     client,

@@ -19,6 +19,7 @@
 use cubecl::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::block_mask::{BlockShape, DeviceBlockMask, ViewLayout, ViewShape};
 use crate::error::FlashError;
 use crate::launch::DeviceTensor;
 use crate::mma_sync::Pair;
@@ -40,12 +41,21 @@ pub struct ScoreTerms {
     /// Dropout on the probabilities.
     #[serde(default)]
     pub dropout: bool,
+    /// A block mask of blocks of this shape ([`crate::block_mask`]).
+    #[serde(default)]
+    pub block_mask: Option<BlockShape>,
 }
 
 impl ScoreTerms {
     /// Whether any term is added.
     pub fn any(&self) -> bool {
         self.bias || self.alibi
+    }
+
+    /// The block mask as the kernels that own query rows (forward, dQ) or, with `by_key`,
+    /// key rows (dK/dV) see it.
+    pub fn view(&self, by_key: bool) -> ViewShape {
+        ViewShape::of(self.block_mask, by_key)
     }
 
     /// These terms, with dropout as `problem`'s options ask.
@@ -64,6 +74,8 @@ pub struct ScoreBias<'a> {
     pub bias: Option<&'a DeviceTensor>,
     /// `[b | 1, h_q]`, f32.
     pub alibi_slopes: Option<&'a DeviceTensor>,
+    /// A block mask of `[b | 1, h_q | 1, s_q, s_kv]` scores.
+    pub block_mask: Option<&'a DeviceBlockMask>,
 }
 
 impl ScoreBias<'_> {
@@ -83,6 +95,20 @@ impl ScoreBias<'_> {
             self.bias.unwrap_or(like_bias).clone(),
             self.alibi_slopes.unwrap_or(like_f32).clone(),
         ]
+    }
+
+    /// The kernels' block-mask arguments: the mask's words and its view by query or, with
+    /// `by_key`, by key ([`crate::block_mask`]); without a block mask, a token the kernels
+    /// never read (`like`) and an empty view.
+    pub(crate) fn block_args(
+        &self,
+        like: &DeviceTensor,
+        by_key: bool,
+    ) -> (DeviceTensor, ViewLayout) {
+        match self.block_mask {
+            Some(mask) => (mask.words.clone(), mask.view(by_key)),
+            None => (like.clone(), ViewLayout::default()),
+        }
     }
 
     /// The terms, their tensors checked against `problem`; `bias_grad` asks the backward
@@ -133,6 +159,10 @@ impl ScoreBias<'_> {
                 });
             }
             terms.alibi = true;
+        }
+        if let Some(mask) = self.block_mask {
+            mask.check(full)?;
+            terms.block_mask = Some(mask.layout.blocks);
         }
         Ok(terms)
     }

@@ -18,6 +18,7 @@
 
 pub mod backward;
 pub mod bias;
+pub mod block_mask;
 pub mod config;
 pub mod decode;
 pub mod dropout;
@@ -42,6 +43,7 @@ pub mod tile;
 pub mod wgmma;
 
 pub use bias::{ScoreBias, ScoreTerms};
+pub use block_mask::{BlockMask, BlockShape, BlockState};
 pub use config::{DeviceLimits, KernelPath, TileConfig};
 pub use dropout::Dropout;
 pub use error::FlashError;

@@ -21,6 +21,7 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
+use crate::block_mask::{BlockTile, ViewShape};
 use crate::mask::Span;
 
 /// Two neighbouring elements of a fragment.
@@ -266,6 +267,42 @@ pub fn hide_columns(
             pair.insert(e, select(visible.contains(col), pair.extract(e), value));
         }
         acc[at] = pair;
+    }
+}
+
+/// As [`hide_columns`], for the columns of row `row` that a block mask's partial block hides
+/// ([`BlockTile::keeps`]); nothing in a full block or without a block mask.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn hide_unkept(
+    acc: &mut Array<Pair<f32>>,
+    first: usize,
+    #[comptime] tiles: usize,
+    half: usize,
+    col0: i32,
+    row: i32,
+    tile: &BlockTile,
+    bits: &Tensor<u32>,
+    value: f32,
+    #[comptime] view: ViewShape,
+) {
+    if comptime!(view.is_sparse()) {
+        if tile.partial {
+            let in_group = i32::cast_from(UNIT_POS_PLANE % 4);
+            let row = usize::cast_from(row);
+            #[unroll]
+            for n in 0..tiles {
+                let at = 2 * (first + n) + half;
+                let mut pair = acc[at];
+                #[unroll]
+                for e in 0..2usize {
+                    let col = col0 + i32::cast_from(n * 8 + e) + 2 * in_group;
+                    let keep = tile.keeps(bits, row, usize::cast_from(col), view);
+                    pair.insert(e, select(keep, pair.extract(e), value));
+                }
+                acc[at] = pair;
+            }
+        }
     }
 }
 

@@ -27,6 +27,7 @@ use crate::backward::{
     register_backward_config,
 };
 use crate::bias::{ScoreTerms, sum_bias_grad};
+use crate::block_mask::{BLOCK_GRANULE, BlockShape, ViewLayoutCompilationArg};
 use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
 use crate::decode::{
     append::append_to_cache,
@@ -313,7 +314,9 @@ pub struct KernelSource {
 
 /// The problems whose kernels differ in code: every dtype; head dims that are a multiple
 /// of 16, one padded, and the largest; plain and with every option compiled in (causal
-/// window and softcap); `d_v ≠ d_qk` once.
+/// window and softcap); `d_v ≠ d_qk` once. f16 differs from bf16 only in its element type
+/// and its products' instructions: it is checked at d = 64 and 128, the other head dims on
+/// bf16 and f32.
 pub fn shipped_problems() -> Vec<AttentionProblem> {
     let plain = AttentionOptions::default();
     let everything = AttentionOptions {
@@ -330,6 +333,10 @@ pub fn shipped_problems() -> Vec<AttentionProblem> {
     let mut problems = Vec::new();
     for dtype in [FloatDtype::F32, FloatDtype::F16, FloatDtype::BF16] {
         for (dim_qk, dim_v) in [(40, 40), (64, 64), (128, 128), (256, 256), (128, 64)] {
+            let f16_form = matches!((dim_qk, dim_v), (64, 64) | (128, 128));
+            if dtype == FloatDtype::F16 && !f16_form {
+                continue;
+            }
             for options in [plain, everything] {
                 let problem = AttentionProblem::new(
                     &[1, 2, 128, dim_qk],
@@ -357,9 +364,9 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
     // Packed batches change only how a cube finds its sequence (and the registers that
     // takes): their forms are checked for one dtype and head dim, without options and with
     // every one.
-    // The score terms (bias, ALiBi, the bias's gradient, summed) and dropout add the same
-    // code to every dtype and head dim: checked on those of the packed forms, with every
-    // option.
+    // The score terms (bias, ALiBi, the bias's gradient, summed), dropout and a block mask
+    // add the same code to every dtype and head dim: checked on those of the packed forms,
+    // with every option.
     let none = ScoreTerms::default();
     let every_term = ScoreTerms {
         bias: true,
@@ -367,6 +374,10 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
         bias_grad: true,
         bias_grad_sums: true,
         dropout: true,
+        block_mask: Some(BlockShape {
+            block_q: BLOCK_GRANULE,
+            block_kv: BLOCK_GRANULE,
+        }),
     };
     let variants = shipped_problems().into_iter().flat_map(|problem| {
         let one_form =
@@ -446,6 +457,19 @@ fn dropout_args() -> DropoutArgsCompilationArg {
     }
 }
 
+/// The compile-time part of a [`crate::block_mask::ViewLayout`] argument (none).
+fn view_layout() -> ViewLayoutCompilationArg {
+    ViewLayoutCompilationArg {
+        lists: (),
+        tiles: (),
+        bits: (),
+        batch: (),
+        heads: (),
+        rows: (),
+        cols: (),
+    }
+}
+
 fn tensor() -> TensorCompilationArg {
     TensorCompilationArg {
         meta: TensorMetaCompilationArg { len: (), rank: () },
@@ -514,6 +538,8 @@ fn kernels(
                 tensor(),
                 tensor(),
                 dropout_args(),
+                tensor(),
+                view_layout(),
                 c,
                 packed,
                 terms,
@@ -746,6 +772,8 @@ fn kernels(
                 tensor(),
                 tensor(),
                 dropout_args(),
+                tensor(),
+                view_layout(),
                 c,
                 packed,
                 terms,
@@ -776,6 +804,8 @@ fn kernels(
                 tensor(),
                 tensor(),
                 dropout_args(),
+                tensor(),
+                view_layout(),
                 tensor(),
                 c,
                 packed,
@@ -828,6 +858,8 @@ fn kernels(
                         tensor(),
                         tensor(),
                         dropout_args(),
+                        tensor(),
+                        view_layout(),
                         c,
                         packed,
                         terms,
@@ -900,6 +932,8 @@ fn kernels(
                                 tensor(),
                                 tensor(),
                                 dropout_args(),
+                                tensor(),
+                                view_layout(),
                                 c,
                                 gradients,
                                 packed,
@@ -960,6 +994,8 @@ fn kernels(
                         tensor(),
                         dropout_args(),
                         tensor(),
+                        view_layout(),
+                        tensor(),
                         c,
                         packed,
                         terms,
@@ -994,6 +1030,8 @@ fn kernels(
                 tensor(),
                 tensor(),
                 dropout_args(),
+                tensor(),
+                view_layout(),
                 c,
                 packed,
                 terms,
@@ -1025,6 +1063,8 @@ fn kernels(
                 tensor(),
                 tensor(),
                 dropout_args(),
+                tensor(),
+                view_layout(),
                 c,
                 packed,
                 terms,
@@ -1055,6 +1095,8 @@ fn kernels(
                 tensor(),
                 tensor(),
                 dropout_args(),
+                tensor(),
+                view_layout(),
                 tensor(),
                 c,
                 packed,

@@ -9,6 +9,7 @@
 use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms};
+use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::TileConfig;
 use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
@@ -39,6 +40,8 @@ pub fn flash_backward_dkdv<F: Float>(
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
     dropout: DropoutArgs,
+    block_words: &Tensor<u32>,
+    block_view: ViewLayout,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -102,7 +105,8 @@ pub fn flash_backward_dkdv<F: Float>(
     let mut delta_tile = Shared::<[f32]>::new_slice(block_q);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked, false);
+    let view = comptime!(terms.view(true));
+    let mask_blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked, false);
     let key_i = i32::cast_from(key);
 
     for g in 0..group {
@@ -110,8 +114,19 @@ pub fn flash_backward_dkdv<F: Float>(
         let terms_line =
             BiasLine::along_queries(bias, alibi_slopes, batch, head_q, key, seq_q, seq_kv, terms);
         let dropout = dropout.stream(sequence.index, q.shape(1), head_q);
+        let (sparse, blocks) = SparseBlocks::of(
+            block_words,
+            &block_view,
+            &mask_blocks,
+            batch,
+            head_q,
+            k_begin,
+            block_q,
+            view,
+        );
         for block in 0..blocks.count {
-            let q0 = blocks.start(block, block_q);
+            let q0 = sparse.start(block_words, &blocks, block, block_q, view);
+            let tile = sparse.tile(block_words, block, block_q, view);
             let q0_u = usize::cast_from(q0);
             sync_cube();
             load_rows(
@@ -154,14 +169,17 @@ pub fn flash_backward_dkdv<F: Float>(
             );
             sync_cube();
 
-            let needs_mask = !mask.is_block_visible(
-                q0,
-                q0 + i32::cast_from(block_q),
-                i32::cast_from(k_begin),
-                i32::cast_from(k_end),
-            );
+            let needs_mask = tile.partial
+                || !mask.is_block_visible(
+                    q0,
+                    q0 + i32::cast_from(block_q),
+                    i32::cast_from(k_begin),
+                    i32::cast_from(k_end),
+                );
             for i in 0..block_q {
-                if !needs_mask || mask.is_visible(q0 + i32::cast_from(i), key_i) {
+                let visible = mask.is_visible(q0 + i32::cast_from(i), key_i)
+                    && tile.keeps(block_words, key, usize::cast_from(q0) + i, view);
+                if !needs_mask || visible {
                     let dot =
                         dot_staged(&k_row, &q_tile, i * dim_qk, len_qk, dim_qk, config.columns);
                     let s = score(dot, scale, softcap, config.softcap);

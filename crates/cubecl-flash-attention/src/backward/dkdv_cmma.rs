@@ -12,6 +12,7 @@
 use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms};
+use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, MmaConfig};
 use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
@@ -64,6 +65,8 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
     dropout: DropoutArgs,
+    block_words: &Tensor<u32>,
+    block_view: ViewLayout,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -144,7 +147,8 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     let dv_acc = zero_accumulators(dv_p / FRAGMENT);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked, false);
+    let view = comptime!(terms.view(true));
+    let mask_blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked, false);
 
     for g in 0..group {
         let head_q = head_kv * group + g;
@@ -159,9 +163,20 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
             terms,
         );
         let dropout = dropout.stream(sequence.index, q.shape(1), head_q);
+        let (sparse, blocks) = SparseBlocks::of(
+            block_words,
+            &block_view,
+            &mask_blocks,
+            batch,
+            head_q,
+            k_begin,
+            block_q,
+            view,
+        );
         for block in 0..blocks.count {
-            let q0 = blocks.start(block, block_q);
+            let q0 = sparse.start(block_words, &blocks, block, block_q, view);
             let q0_u = usize::cast_from(q0);
+            let tile = sparse.tile(block_words, block, block_q, view);
             sync_cube();
             stage_rows(
                 q,
@@ -230,18 +245,21 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
             sync_plane();
 
             // 2. Pᵀ and dSᵀ, this unit's columns `part, part + per_row, …` of its key row.
-            let needs_mask = !mask.is_block_visible(
-                q0,
-                q0 + i32::cast_from(block_q),
-                i32::cast_from(k_begin),
-                i32::cast_from(k_end),
-            );
+            let needs_mask = tile.partial
+                || !mask.is_block_visible(
+                    q0,
+                    q0 + i32::cast_from(block_q),
+                    i32::cast_from(k_begin),
+                    i32::cast_from(k_end),
+                );
             #[unroll]
             for j in 0..cols {
                 let col = j * per_row + part;
                 let s = score(s_tile[my_key * s_ld + col], scale, softcap, config.softcap);
                 let logit = terms_line.add(bias, s, q0_u + col, 1.0, terms);
-                let visible = !needs_mask || mask.is_visible(q0 + i32::cast_from(col), key_i);
+                let visible = !needs_mask
+                    || (mask.is_visible(q0 + i32::cast_from(col), key_i)
+                        && tile.keeps(block_words, k_begin + my_key, q0_u + col, view));
                 let p = select(visible, (logit - lse_tile[col]).exp(), 0.0);
                 let mut dp = dp_tile[my_key * dp_ld + col];
                 let mut p_kept = p;

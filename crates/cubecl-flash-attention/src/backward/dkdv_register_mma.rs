@@ -32,12 +32,13 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms, add_to_columns, base2_scores};
+use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::dropout::{DropoutArgs, apply_keep_bits};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
-    store_pair, store_row, zeros,
+    LoadAddress, Pair, accumulators_as_a, hide_columns, hide_unkept, load_a, load_b,
+    load_b_transposed, mma, store_pair, store_row, zeros,
 };
 use crate::problem::FloatDtype;
 use crate::sequence::Sequence;
@@ -86,6 +87,8 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
     dropout: DropoutArgs,
+    block_words: &Tensor<u32>,
+    block_view: ViewLayout,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] gradients: KeyGradients,
     #[comptime] packed: bool,
@@ -157,7 +160,19 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.query_blocks(k_begin, k_end, block_q, config.masked, terms.dropout);
+    // The block mask's blocks for the group's first head: the launcher sends here only block
+    // masks that are the same for every head of a group.
+    let view = comptime!(terms.view(true));
+    let (sparse, blocks) = SparseBlocks::of(
+        block_words,
+        &block_view,
+        &mask.query_blocks(k_begin, k_end, block_q, config.masked, terms.dropout),
+        batch,
+        head_kv * group_size,
+        k_begin,
+        block_q,
+        view,
+    );
     // Every query head of the group, each over the same query blocks.
     let steps = blocks.count * i32::cast_from(group_size);
 
@@ -203,7 +218,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             v_layout,
             units,
         );
-        let q0 = usize::cast_from(blocks.first);
+        let q0 = usize::cast_from(sparse.start(block_words, &blocks, 0, block_q, view));
         let head_q = head_kv * group_size;
         stage_rows_async(
             q,
@@ -252,7 +267,8 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     for step in 0..steps {
         let stage = usize::cast_from(step % 2);
         let next = 1 - stage;
-        let q0 = blocks.start(step % blocks.count, block_q);
+        let q0 = sparse.start(block_words, &blocks, step % blocks.count, block_q, view);
+        let tile = sparse.tile(block_words, step % blocks.count, block_q, view);
 
         // Q and dO of this block (and K, V with the first) have landed; every unit is done
         // with the previous block, so the other stage may be refilled.
@@ -267,7 +283,9 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         }
         if step + 1 < steps {
             let next_head = head_kv * group_size + usize::cast_from((step + 1) / blocks.count);
-            let next_q0 = usize::cast_from(blocks.start((step + 1) % blocks.count, block_q));
+            let next_step = (step + 1) % blocks.count;
+            let next_q0 =
+                usize::cast_from(sparse.start(block_words, &blocks, next_step, block_q, view));
             stage_rows_async(
                 q,
                 &q_rows,
@@ -503,18 +521,31 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         // The cube's whole key block, past the sequence's end included: those rows hold the
         // next sequence's keys in a packed batch, and their scores must be hidden before
         // `dS·K` reaches the shared dQ sum.
-        let needs_mask = !mask.is_block_visible(
-            q0,
-            q0 + i32::cast_from(block_q),
-            i32::cast_from(k_begin),
-            i32::cast_from(k_begin + block_k),
-        );
+        let needs_mask = tile.partial
+            || !mask.is_block_visible(
+                q0,
+                q0 + i32::cast_from(block_q),
+                i32::cast_from(k_begin),
+                i32::cast_from(k_begin + block_k),
+            );
         if needs_mask {
             #[unroll]
             for half in 0..2usize {
                 let key = i32::cast_from(k_begin + plane_row + group + 8 * half);
                 let queries = mask.visible_queries(key);
                 hide_columns(&mut s_acc, 0, s_tiles, half, q0, queries, 0.0);
+                hide_unkept(
+                    &mut s_acc,
+                    0,
+                    s_tiles,
+                    half,
+                    q0,
+                    key,
+                    &tile,
+                    block_words,
+                    0.0,
+                    view,
+                );
             }
         }
         if comptime!(with_dk) {

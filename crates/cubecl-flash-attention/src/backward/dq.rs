@@ -8,6 +8,7 @@
 use cubecl::prelude::*;
 
 use crate::bias::{BiasGradLine, BiasLine, ScoreTerms};
+use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::TileConfig;
 use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
@@ -36,6 +37,8 @@ pub fn flash_backward_dq<F: Float>(
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
     dropout: DropoutArgs,
+    block_words: &Tensor<u32>,
+    block_view: ViewLayout,
     dbias: &mut Tensor<Atomic<u32>>,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
@@ -91,7 +94,17 @@ pub fn flash_backward_dq<F: Float>(
     let mut v_tile = Shared::<[f32]>::new_slice(block_k * dim_v);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked, false);
+    let view = comptime!(terms.view(false));
+    let (sparse, blocks) = SparseBlocks::of(
+        block_words,
+        &block_view,
+        &mask.key_blocks(q_begin, q_end, block_k, config.masked, false),
+        batch,
+        head.head_q,
+        q_begin,
+        block_k,
+        view,
+    );
     let row_i = i32::cast_from(row);
     let terms_line = BiasLine::along_keys(
         bias,
@@ -107,7 +120,8 @@ pub fn flash_backward_dq<F: Float>(
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
-        let k0 = blocks.start(block, block_k);
+        let k0 = sparse.start(block_words, &blocks, block, block_k, view);
+        let tile = sparse.tile(block_words, block, block_k, view);
         sync_cube();
         load_key_value_block(
             k,
@@ -124,14 +138,17 @@ pub fn flash_backward_dq<F: Float>(
         );
         sync_cube();
 
-        let needs_mask = !mask.is_block_visible(
-            i32::cast_from(q_begin),
-            i32::cast_from(q_end),
-            k0,
-            k0 + i32::cast_from(block_k),
-        );
+        let needs_mask = tile.partial
+            || !mask.is_block_visible(
+                i32::cast_from(q_begin),
+                i32::cast_from(q_end),
+                k0,
+                k0 + i32::cast_from(block_k),
+            );
         for j in 0..block_k {
-            if !needs_mask || mask.is_visible(row_i, k0 + i32::cast_from(j)) {
+            let visible = mask.is_visible(row_i, k0 + i32::cast_from(j))
+                && tile.keeps(block_words, row, usize::cast_from(k0) + j, view);
+            if !needs_mask || visible {
                 let key = usize::cast_from(k0) + j;
                 let dot = dot_staged(&q_row, &k_tile, j * dim_qk, len_qk, dim_qk, config.columns);
                 let s = score(dot, scale, softcap, config.softcap);

@@ -8,6 +8,7 @@
 use cubecl::prelude::*;
 
 use crate::bias::{BiasGradLine, BiasLine, ScoreTerms};
+use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, MmaConfig};
 use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
@@ -53,6 +54,8 @@ pub fn flash_backward_dq_cmma<F: Float>(
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
     dropout: DropoutArgs,
+    block_words: &Tensor<u32>,
+    block_view: ViewLayout,
     dbias: &mut Tensor<Atomic<u32>>,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
@@ -136,12 +139,23 @@ pub fn flash_backward_dq_cmma<F: Float>(
     let dq_acc = zero_accumulators(dqk / FRAGMENT);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked, false);
+    let view = comptime!(terms.view(false));
+    let (sparse, blocks) = SparseBlocks::of(
+        block_words,
+        &block_view,
+        &mask.key_blocks(q_begin, q_end, block_k, config.masked, false),
+        batch,
+        head.head_q,
+        q_begin,
+        block_k,
+        view,
+    );
     let row_i = i32::cast_from(row);
 
     for block in 0..blocks.count {
-        let k0 = blocks.start(block, block_k);
+        let k0 = sparse.start(block_words, &blocks, block, block_k, view);
         let k0_u = usize::cast_from(k0);
+        let tile = sparse.tile(block_words, block, block_k, view);
         sync_cube();
         stage_rows(
             k,
@@ -199,19 +213,22 @@ pub fn flash_backward_dq_cmma<F: Float>(
         sync_plane();
 
         // dS, this unit's columns `part, part + per_row, …` of its row.
-        let needs_mask = !mask.is_block_visible(
-            i32::cast_from(q_begin),
-            i32::cast_from(q_end),
-            k0,
-            k0 + i32::cast_from(block_k),
-        );
+        let needs_mask = tile.partial
+            || !mask.is_block_visible(
+                i32::cast_from(q_begin),
+                i32::cast_from(q_end),
+                k0,
+                k0 + i32::cast_from(block_k),
+            );
         #[unroll]
         for j in 0..cols {
             let col = j * per_row + part;
             let key = usize::cast_from(k0) + col;
             let s = score(s_tile[my_row * s_ld + col], scale, softcap, config.softcap);
             let logit = terms_line.add(bias, s, key, 1.0, terms);
-            let visible = !needs_mask || mask.is_visible(row_i, k0 + i32::cast_from(col));
+            let visible = !needs_mask
+                || (mask.is_visible(row_i, k0 + i32::cast_from(col))
+                    && tile.keeps(block_words, row, key, view));
             let p = select(visible, (logit - row_lse).exp(), 0.0);
             // dS with respect to the logit: the bias's gradient.
             let mut dp = dp_tile[my_row * dp_ld + col];

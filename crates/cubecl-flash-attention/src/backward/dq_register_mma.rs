@@ -22,12 +22,13 @@ use cubecl::prelude::*;
 use crate::bias::{
     BiasGradLine, BiasLine, ScoreTerms, add_grad_columns, add_to_columns, base2_scores,
 };
+use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::dropout::{DropoutArgs, apply_keep_bits};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
-    store_row, zeros,
+    LoadAddress, Pair, accumulators_as_a, hide_columns, hide_unkept, load_a, load_b,
+    load_b_transposed, mma, store_row, zeros,
 };
 use crate::problem::FloatDtype;
 use crate::sequence::Sequence;
@@ -68,6 +69,8 @@ pub fn flash_backward_dq_mma<F: Float>(
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
     dropout: DropoutArgs,
+    block_words: &Tensor<u32>,
+    block_view: ViewLayout,
     dbias: &mut Tensor<Atomic<u32>>,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] packed: bool,
@@ -120,7 +123,17 @@ pub fn flash_backward_dq_mma<F: Float>(
 
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked, terms.dropout);
+    let view = comptime!(terms.view(false));
+    let (sparse, blocks) = SparseBlocks::of(
+        block_words,
+        &block_view,
+        &mask.key_blocks(q_begin, q_end, block_k, config.masked, terms.dropout),
+        batch,
+        head.head_q,
+        q_begin,
+        block_k,
+        view,
+    );
     // The score terms of the lane's rows g and g + 8: where each starts in the bias and its
     // ALiBi center, kept across the key blocks (token arrays without terms).
     let terms_rows = comptime!(if terms.any() { 2usize } else { 1 });
@@ -171,7 +184,7 @@ pub fn flash_backward_dq_mma<F: Float>(
     }
 
     if blocks.count > 0 {
-        let k0 = usize::cast_from(blocks.first);
+        let k0 = usize::cast_from(sparse.start(block_words, &blocks, 0, block_k, view));
         stage_rows_async(
             q,
             &q_rows,
@@ -234,7 +247,7 @@ pub fn flash_backward_dq_mma<F: Float>(
     for block in 0..blocks.count {
         let stage = usize::cast_from(block % 2);
         let next = 1 - stage;
-        let k0 = blocks.start(block, block_k);
+        let k0 = sparse.start(block_words, &blocks, block, block_k, view);
 
         // K and V of this block (and Q, dO with the first) have landed; every unit is done
         // with the previous block, so the other stage may be refilled.
@@ -248,7 +261,8 @@ pub fn flash_backward_dq_mma<F: Float>(
             sync_cube();
         }
         if block + 1 < blocks.count {
-            let next_k0 = usize::cast_from(k0) + block_k;
+            let next_k0 =
+                usize::cast_from(sparse.start(block_words, &blocks, block + 1, block_k, view));
             stage_rows_async(
                 k,
                 &k_rows,
@@ -430,18 +444,32 @@ pub fn flash_backward_dq_mma<F: Float>(
                 }
             }
         }
-        let needs_mask = !mask.is_block_visible(
-            i32::cast_from(q_begin),
-            i32::cast_from(q_end),
-            k0,
-            k0 + i32::cast_from(block_k),
-        );
+        let tile = sparse.tile(block_words, block, block_k, view);
+        let needs_mask = tile.partial
+            || !mask.is_block_visible(
+                i32::cast_from(q_begin),
+                i32::cast_from(q_end),
+                k0,
+                k0 + i32::cast_from(block_k),
+            );
         if needs_mask {
             #[unroll]
             for half in 0..2usize {
                 let row = i32::cast_from(q_begin + plane_row + group + 8 * half);
                 let keys = mask.visible_keys(row);
                 hide_columns(&mut s_acc, 0, s_tiles, half, k0, keys, 0.0);
+                hide_unkept(
+                    &mut s_acc,
+                    0,
+                    s_tiles,
+                    half,
+                    k0,
+                    row,
+                    &tile,
+                    block_words,
+                    0.0,
+                    view,
+                );
             }
         }
         // With terms, `dp_acc` holds `dP − D` and `logits` the softcap's derivative: the

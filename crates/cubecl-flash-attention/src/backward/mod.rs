@@ -334,7 +334,13 @@ fn launch(
     let limits = DeviceLimits::from_properties(client.properties());
     // The bias's gradient is written by the dQ kernels: no dQ folded into dK/dV by atomics.
     problem.options.deterministic |= terms.bias_grad;
-    let plan = plan(path, &problem, &limits, [q, k, v, d_out])?;
+    let mut plan = plan(path, &problem, &limits, [q, k, v, d_out])?;
+    // The register-level dK/dV kernel walks one list of query blocks for every query head of
+    // a group: a block mask that differs between a group's heads takes the `cmma` kernels.
+    let per_head_mask = bias.block_mask.is_some_and(|m| m.layout.shape[1] > 1);
+    if matches!(plan, Plan::RegisterMma(_)) && per_head_mask && problem.group_size() > 1 {
+        plan = Plan::TensorCore;
+    }
     if let (Plan::Portable { dq, .. }, true) = (&plan, terms.bias_grad_sums) {
         let iterations = loop_budget::dq_iterations(&problem, dq)
             + loop_budget::bias_grad_sum_iterations(&problem, dq);
@@ -346,13 +352,14 @@ fn launch(
         )?;
     }
     // Absent terms pass tokens the kernels never read.
+    let (block_words, by_query) = bias.block_args(lse, false);
+    let (_, by_key) = bias.block_args(lse, true);
     let [bias, slopes] = bias.args(q, lse);
     let terms = terms.with_dropout_of(&problem);
     let dbias = dbias.unwrap_or(lse).clone();
     // With terms, the kernels read the LSE the delta kernel rewrites: rows the terms hide
     // completely (`LSE = −∞`) must give `P = 0`.
-    let guarded_lse = terms
-        .any()
+    let guarded_lse = (terms.any() || terms.block_mask.is_some())
         .then(|| DeviceTensor::empty(client, &lse.shape, 4));
     let lse_in = lse;
     let lse = guarded_lse.as_ref().unwrap_or(lse_in);
@@ -376,7 +383,7 @@ fn launch(
             guarded_lse.as_ref().unwrap_or(lse_in).arg(),
             problem.dim_v,
             delta_rows,
-            terms.any(),
+            guarded_lse.is_some(),
             elem,
         );
     }
@@ -425,6 +432,8 @@ fn launch(
                         bias.arg(),
                         slopes.arg(),
                         problem.dropout_args(),
+                        block_words.arg(),
+                        by_key.arg(),
                         warpgroup_only_for(config, "dkdv"),
                         gradients,
                         is_packed,
@@ -478,6 +487,8 @@ fn launch(
                     bias.arg(),
                     slopes.arg(),
                     problem.dropout_args(),
+                    block_words.arg(),
+                    by_query.arg(),
                     dbias.arg(),
                     warpgroup_only_for(config, "dq"),
                     is_packed,
@@ -515,6 +526,8 @@ fn launch(
                     bias.arg(),
                     slopes.arg(),
                     problem.dropout_args(),
+                    block_words.arg(),
+                    by_key.arg(),
                     config,
                     is_packed,
                     terms,
@@ -548,6 +561,8 @@ fn launch(
                     bias.arg(),
                     slopes.arg(),
                     problem.dropout_args(),
+                    block_words.arg(),
+                    by_query.arg(),
                     dbias.arg(),
                     config,
                     is_packed,
@@ -580,6 +595,8 @@ fn launch(
                     bias.arg(),
                     slopes.arg(),
                     problem.dropout_args(),
+                    block_words.arg(),
+                    by_key.arg(),
                     dkdv,
                     is_packed,
                     terms,
@@ -609,6 +626,8 @@ fn launch(
                     bias.arg(),
                     slopes.arg(),
                     problem.dropout_args(),
+                    block_words.arg(),
+                    by_query.arg(),
                     dbias.arg(),
                     dq,
                     is_packed,

@@ -16,6 +16,7 @@
 use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms};
+use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, MmaConfig};
 use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
@@ -53,6 +54,8 @@ pub fn flash_forward_cmma<F: Float>(
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
     dropout: DropoutArgs,
+    block_words: &Tensor<u32>,
+    block_view: ViewLayout,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -115,7 +118,17 @@ pub fn flash_forward_cmma<F: Float>(
     let mut state = RunningState::init();
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked, false);
+    let view = comptime!(terms.view(false));
+    let (sparse, blocks) = SparseBlocks::of(
+        block_words,
+        &block_view,
+        &mask.key_blocks(q_begin, q_end, block_k, config.masked, false),
+        batch,
+        head.head_q,
+        q_begin,
+        block_k,
+        view,
+    );
     let row_i = i32::cast_from(row);
     let terms_line = BiasLine::along_keys(
         bias,
@@ -130,8 +143,9 @@ pub fn flash_forward_cmma<F: Float>(
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
-        let k0 = blocks.start(block, block_k);
+        let k0 = sparse.start(block_words, &blocks, block, block_k, view);
         let k0_u = usize::cast_from(k0);
+        let tile = sparse.tile(block_words, block, block_k, view);
 
         sync_cube();
         stage_rows(
@@ -178,12 +192,13 @@ pub fn flash_forward_cmma<F: Float>(
 
         // 2. Online softmax over the plane's rows; this unit holds columns
         //    `part, part + per_row, …` of its row.
-        let needs_mask = !mask.is_block_visible(
-            i32::cast_from(q_begin),
-            i32::cast_from(q_end),
-            k0,
-            k0 + i32::cast_from(block_k),
-        );
+        let needs_mask = tile.partial
+            || !mask.is_block_visible(
+                i32::cast_from(q_begin),
+                i32::cast_from(q_end),
+                k0,
+                k0 + i32::cast_from(block_k),
+            );
         let s_row = my_row * s_ld;
         let mut block_max = f32::new(MASKED);
         #[unroll]
@@ -191,7 +206,9 @@ pub fn flash_forward_cmma<F: Float>(
             let col = j * per_row + part;
             let mut s = score(s_tile[s_row + col], scale, softcap, config.softcap);
             s = terms_line.add(bias, s, k0_u + col, 1.0, terms);
-            if needs_mask && !mask.is_visible(row_i, k0 + i32::cast_from(col)) {
+            let visible = mask.is_visible(row_i, k0 + i32::cast_from(col))
+                && tile.keeps(block_words, row, k0_u + col, view);
+            if needs_mask && !visible {
                 s = f32::new(MASKED);
             }
             s_tile[s_row + col] = s;

@@ -237,6 +237,7 @@ fn launch(
     let is_packed = packed.is_some();
     let limits = DeviceLimits::from_properties(client.properties());
     let (left, right) = window_args(&problem);
+    let (block_words, block_view) = bias.block_args(lse, false);
     let [bias, slopes] = bias.args(q, lse);
     let terms = terms.with_dropout_of(&problem);
     match plan(path, &problem, &limits, [q, k, v])? {
@@ -274,6 +275,8 @@ fn launch(
                     bias.arg(),
                     slopes.arg(),
                     problem.dropout_args(),
+                    block_words.arg(),
+                    block_view.arg(),
                     config,
                     is_packed,
                     terms,
@@ -308,6 +311,8 @@ fn launch(
                     bias.arg(),
                     slopes.arg(),
                     problem.dropout_args(),
+                    block_words.arg(),
+                    block_view.arg(),
                     config,
                     is_packed,
                     terms,
@@ -338,6 +343,8 @@ fn launch(
                     bias.arg(),
                     slopes.arg(),
                     problem.dropout_args(),
+                    block_words.arg(),
+                    block_view.arg(),
                     config,
                     is_packed,
                     terms,

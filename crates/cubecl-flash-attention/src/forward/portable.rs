@@ -3,12 +3,14 @@
 //! One cube per (query block, batch·head), one unit per query row. The row's query and
 //! its output accumulator live in registers; key/value blocks are staged in shared memory
 //! by the whole cube; the online softmax keeps the row's running max and sum. Key blocks
-//! that the mask hides entirely are never visited, and mask arithmetic runs only in the
-//! blocks that straddle a mask boundary.
+//! that the mask hides entirely are never visited (with a block mask, only its listed
+//! blocks are), and mask arithmetic runs only in the blocks that straddle a mask boundary
+//! or that the block mask marks partial.
 
 use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms};
+use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::TileConfig;
 use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
@@ -38,6 +40,8 @@ pub fn flash_forward<F: Float>(
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
     dropout: DropoutArgs,
+    block_words: &Tensor<u32>,
+    block_view: ViewLayout,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -80,7 +84,17 @@ pub fn flash_forward<F: Float>(
     let mut v_tile = Shared::<[f32]>::new_slice(block_k * dim_v);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_k, config.masked, false);
+    let view = comptime!(terms.view(false));
+    let (sparse, blocks) = SparseBlocks::of(
+        block_words,
+        &block_view,
+        &mask.key_blocks(q_begin, q_end, block_k, config.masked, false),
+        sequence.batch,
+        head.head_q,
+        q_begin,
+        block_k,
+        view,
+    );
     let row_i = i32::cast_from(row);
     let terms_line = BiasLine::along_keys(
         bias,
@@ -95,8 +109,9 @@ pub fn flash_forward<F: Float>(
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
-        let k0 = blocks.start(block, block_k);
+        let k0 = sparse.start(block_words, &blocks, block, block_k, view);
         let k0_u = usize::cast_from(k0);
+        let tile = sparse.tile(block_words, block, block_k, view);
 
         sync_cube();
         load_key_value_block(
@@ -114,19 +129,23 @@ pub fn flash_forward<F: Float>(
         );
         sync_cube();
 
-        // S = Q·Kᵀ · scale (softcapped) + the terms, masked only in boundary blocks.
-        let needs_mask = !mask.is_block_visible(
-            i32::cast_from(q_begin),
-            i32::cast_from(q_end),
-            k0,
-            k0 + i32::cast_from(block_k),
-        );
+        // S = Q·Kᵀ · scale (softcapped) + the terms, masked only in boundary blocks and the
+        // block mask's partial ones.
+        let needs_mask = tile.partial
+            || !mask.is_block_visible(
+                i32::cast_from(q_begin),
+                i32::cast_from(q_end),
+                k0,
+                k0 + i32::cast_from(block_k),
+            );
         let mut block_max = f32::new(MASKED);
         for j in 0..block_k {
             let dot = dot_staged(&q_row, &k_tile, j * dim_qk, len_qk, dim_qk, config.columns);
             let mut s = score(dot, scale, softcap, config.softcap);
             s = terms_line.add(bias, s, k0_u + j, 1.0, terms);
-            if needs_mask && !mask.is_visible(row_i, k0 + i32::cast_from(j)) {
+            let visible = mask.is_visible(row_i, k0 + i32::cast_from(j))
+                && tile.keeps(block_words, row, k0_u + j, view);
+            if needs_mask && !visible {
                 s = f32::new(MASKED);
             }
             scores[j] = s;

@@ -27,12 +27,13 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms, add_to_columns};
+use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, RegisterMmaConfig};
 use crate::dropout::{DropoutArgs, apply_keep_bits};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    LoadAddress, Pair, accumulators_as_a, hide_columns, load_a, load_b, load_b_transposed, mma,
-    store_row, zeros,
+    LoadAddress, Pair, accumulators_as_a, hide_columns, hide_unkept, load_a, load_b,
+    load_b_transposed, mma, store_row, zeros,
 };
 use crate::problem::FloatDtype;
 use crate::sequence::Sequence;
@@ -70,6 +71,8 @@ pub fn flash_forward_mma<F: Float>(
     bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
     dropout: DropoutArgs,
+    block_words: &Tensor<u32>,
+    block_view: ViewLayout,
     #[comptime] config: RegisterMmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -137,7 +140,17 @@ pub fn flash_forward_mma<F: Float>(
 
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
-    let blocks = mask.key_blocks(q_begin, q_end, block_kv, config.masked, terms.dropout);
+    let view = comptime!(terms.view(false));
+    let (sparse, blocks) = SparseBlocks::of(
+        block_words,
+        &block_view,
+        &mask.key_blocks(q_begin, q_end, block_kv, config.masked, terms.dropout),
+        sequence.batch,
+        head.head_q,
+        q_begin,
+        block_kv,
+        view,
+    );
     // The score terms of the lane's rows `2 · tile + half`: where each row starts in the
     // bias and its ALiBi center, kept across the key blocks (a token array without terms).
     let terms_rows = comptime!(if terms.any() { 2 * m_tiles } else { 1 });
@@ -193,7 +206,7 @@ pub fn flash_forward_mma<F: Float>(
     let mut q_frag = Array::<Pair<F>>::new(q_pairs);
 
     if blocks.count > 0 {
-        let k0 = usize::cast_from(blocks.first);
+        let k0 = usize::cast_from(sparse.start(block_words, &blocks, 0, block_kv, view));
         stage_rows_async(
             q,
             &q_rows,
@@ -245,9 +258,11 @@ pub fn flash_forward_mma<F: Float>(
     for block in 0..blocks.count {
         let stage = usize::cast_from(block % 2);
         let next = 1 - stage;
-        let k0 = blocks.start(block, block_kv);
+        let k0 = sparse.start(block_words, &blocks, block, block_kv, view);
         let has_next = block + 1 < blocks.count;
-        let next_k0 = usize::cast_from(k0) + block_kv;
+        let next_tile = min(block + 1, blocks.count - 1);
+        let next_k0 =
+            usize::cast_from(sparse.start(block_words, &blocks, next_tile, block_kv, view));
 
         // K of this block (and Q, with the first; and V, when awaited together) has landed;
         // every unit is done with the previous block, so the other stage may be refilled.
@@ -410,12 +425,14 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
 
-        let needs_mask = !mask.is_block_visible(
-            i32::cast_from(q_begin),
-            i32::cast_from(q_end),
-            k0,
-            k0 + i32::cast_from(block_kv),
-        );
+        let tile = sparse.tile(block_words, block, block_kv, view);
+        let needs_mask = tile.partial
+            || !mask.is_block_visible(
+                i32::cast_from(q_begin),
+                i32::cast_from(q_end),
+                k0,
+                k0 + i32::cast_from(block_kv),
+            );
         if needs_mask {
             #[unroll]
             for t in 0..m_tiles {
@@ -424,6 +441,10 @@ pub fn flash_forward_mma<F: Float>(
                     let row = i32::cast_from(q_begin + plane_row + t * FRAGMENT + group + 8 * half);
                     let keys = mask.visible_keys(row);
                     hide_columns(&mut s_acc, t * s_tiles, s_tiles, half, k0, keys, MASKED);
+                    let (first, bits) = (t * s_tiles, block_words);
+                    hide_unkept(
+                        &mut s_acc, first, s_tiles, half, k0, row, &tile, bits, MASKED, view,
+                    );
                 }
             }
         }
