@@ -7,13 +7,17 @@ examples/bench.rs --terms: the same problems, FLOPs and record fields.
 Terms as score_mod / mask_mod: `alibi` subtracts slope_h·|i − j| (slopes 2^(−8(h+1)/H)),
 `relpos` adds a trained table [h, 2s − 1] at i − j + s − 1, `bias` adds a fixed [h, s, s]
 tensor, `window` keeps keys within --window to the left (a block mask, so empty blocks are
-skipped); causal through a block mask too. FLOPs as FlashAttention's benchmark (forward
-4·b·h·s²·d, halved when causal; backward 2.5×), over the visible pairs for `window`.
+skipped); causal through a block mask too. Block masks as examples/bench.rs builds them:
+`documents` (8 packed documents, lengths ∝ k + 1, causal within each with --causal true),
+`prefix` (prefix-LM, the first quarter of the keys seen by all), `sparse` (128 × 128 blocks
+kept at random with probability --density, the same hash). FLOPs as FlashAttention's
+benchmark (forward 4·b·h·s²·d, halved when causal; backward 2.5×), over the visible pairs
+for `window` and the block masks.
 """
 import argparse, json, time
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 from triton.testing import do_bench
 
 p = argparse.ArgumentParser()
@@ -23,6 +27,7 @@ p.add_argument("--causal", default="false,true")
 p.add_argument("--terms", default="none,alibi,relpos,bias,window")
 p.add_argument("--window", type=int, default=1024)
 p.add_argument("--tokens", type=int, default=16384)
+p.add_argument("--density", type=float, default=0.25)
 p.add_argument("--json", default="torch_flex.json")
 a = p.parse_args()
 ints = lambda s: [int(x) for x in s.split(",")]
@@ -65,9 +70,33 @@ for d in ints(a.dims):
                         ok = ok & (i - j <= window)
                     return ok
 
+                if terms == "documents":
+                    ends = [s * (k + 1) * (k + 2) // 72 for k in range(8)]
+                    ids = torch.bucketize(torch.arange(s, device=dev),
+                                          torch.tensor(ends, device=dev), right=True)
+
+                    def visible(b_, h_, i, j):
+                        same = ids[i] == ids[j]
+                        return (same & (i >= j)) if causal else same
+                elif terms == "prefix":
+                    def visible(b_, h_, i, j):
+                        return (j < s // 4) | (i >= j)
+                elif terms == "sparse":
+                    n = s // 128
+                    r = torch.arange(n, dtype=torch.int64)
+                    hsh = ((r[:, None] * 2654435761) & 0xFFFFFFFF) ^ ((r[None, :] * 40503) & 0xFFFFFFFF)
+                    kept = (((hsh * 2246822519) & 0xFFFFFFFF) >> 8).double() / 2 ** 24 < a.density
+                    kept = kept.to(dev)
+
+                    def visible(b_, h_, i, j):
+                        return kept[i // 128, j // 128]
+
+                blocked = terms in ("documents", "prefix", "sparse")
                 block_mask = None
-                if causal or window is not None:
+                if causal or window is not None or blocked:
                     block_mask = create_block_mask(visible, None, None, s, s, device=dev)
+                if blocked:
+                    score_mod = None
                 run = lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
                 o = run()
                 g = torch.randn_like(o)
@@ -76,6 +105,9 @@ for d in ints(a.dims):
                 fb = do_bench(lambda: torch.autograd.grad(run(), grads, g), warmup=5, rep=50,
                               return_mode="median")
                 flops = 4 * b * h * d * pairs(s, causal, window)
+                if blocked:
+                    visible_pairs = create_mask(visible, None, None, s, s, device=dev).sum().item()
+                    flops = 4 * b * h * d * visible_pairs
                 for pas, ms, f in [("fwd", fwd, 1.0), ("fwd_bwd", fb, 3.5)]:
                     rec = {"impl": "torch_flex", "pass": pas, "dtype": "bf16", "b": b, "h": h,
                            "h_kv": h, "s_q": s, "s_kv": s, "d": d, "causal": causal,

@@ -31,6 +31,13 @@
 //! sliding window of `--window` keys to the left, with FLOPs counted over the visible pairs
 //! only, as for any mask other than causal).
 //!
+//! Block masks (`--terms`, a [`BlockMask`] built once, outside the timed calls; FLOPs over
+//! the visible pairs): `documents` (8 packed documents per sequence, document `k` of length
+//! ∝ `k + 1`, causal within each document when `--causal true`), `prefix` (prefix-LM: the
+//! first quarter of the keys seen by every query, causal after it), `sparse` (blocks of
+//! 128 × 128 kept or dropped at random with probability `--density`, no partial block:
+//! compare with the dense non-causal run at `density ×` its time).
+//!
 //! `--dropout p` drops the attention weights of the runs of ours (the others run without);
 //! `benches/torch_sdpa.py --dropout p` times PyTorch's with the same `dropout_p`.
 //!
@@ -46,8 +53,8 @@ use burn::tensor::module::{attention, attention_fallback};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Distribution, FloatDType, Int, Tensor, TensorData};
 use burn_flash_attention::{
-    AttentionBias, FlashAttentionOptions, PackedSequences, flash_attention, flash_attention_biased,
-    flash_attention_varlen, next_dropout,
+    AttentionBias, BlockMask, FlashAttentionOptions, PackedSequences, flash_attention,
+    flash_attention_biased, flash_attention_varlen, kernels, kernels::BlockShape, next_dropout,
 };
 use clap::Parser;
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -97,12 +104,16 @@ struct Args {
     /// Sequences of mixed lengths (see the module docs).
     #[arg(long)]
     mixed: bool,
-    /// Terms on the scores (see the module docs): none, alibi, relpos, bias, window.
+    /// Terms on the scores (see the module docs): none, alibi, relpos, bias, window,
+    /// documents, prefix, sparse.
     #[arg(long, default_value = "none")]
     terms: String,
     /// Keys to the left of the diagonal with `--terms window`.
     #[arg(long, default_value_t = 1024)]
     window: usize,
+    /// The share of blocks kept by `--terms sparse`.
+    #[arg(long, default_value_t = 0.25)]
+    density: f64,
     /// Dropout probability on the attention weights of the runs of ours (0: none).
     #[arg(long, default_value_t = 0.0)]
     dropout: f32,
@@ -260,6 +271,46 @@ fn measure(
     }
 }
 
+/// The block mask of `--terms` over sequences of `s` (see the module docs), the same for
+/// every batch and head; `None` for terms without one.
+fn block_pattern(terms: &str, s: usize, causal: bool, density: f64) -> Option<kernels::BlockMask> {
+    let shape = BlockShape {
+        block_q: 128,
+        block_kv: 128,
+    };
+    let mask = match terms {
+        "documents" => {
+            // Document k ends at s · (k + 1)(k + 2) / 72: lengths ∝ k + 1, 8 documents.
+            let ends: Vec<usize> = (0..8).map(|k| s * (k + 1) * (k + 2) / 72).collect();
+            let ids: Vec<u32> = (0..s)
+                .map(|t| ends.iter().position(|&e| t < e).unwrap_or(7) as u32)
+                .collect();
+            kernels::BlockMask::documents(&[ids.clone()], &[ids], causal, shape)
+        }
+        "prefix" => kernels::BlockMask::prefix_lm(&[s / 4], s, s, shape),
+        "sparse" => {
+            // Block (i, j) is kept when a multiplicative hash of it falls below the density.
+            let kept = |i: usize, j: usize| {
+                let hash = (i as u32).wrapping_mul(2654435761) ^ (j as u32).wrapping_mul(40503);
+                f64::from(hash.wrapping_mul(2246822519) >> 8) / f64::from(1u32 << 24) < density
+            };
+            kernels::BlockMask::from_block_fn(
+                [1, 1, s, s],
+                shape,
+                |_, _, q, k| {
+                    Some(match kept(q.start / 128, k.start / 128) {
+                        true => kernels::BlockState::Full,
+                        false => kernels::BlockState::Empty,
+                    })
+                },
+                |_, _, _, _| unreachable!("every block is classified"),
+            )
+        }
+        _ => return None,
+    };
+    Some(mask.expect("a valid block mask"))
+}
+
 fn main() {
     let args = Args::parse();
     let (dev, client) = device(&args.device);
@@ -374,6 +425,11 @@ fn main() {
         );
         let fixed_bias =
             Tensor::<4>::random([1, h, s, s], Distribution::Normal(0.0, 1.0), &dev).cast(dtype_);
+        let blocks = block_pattern(&args.terms, s, causal, args.density);
+        if let Some(mask) = &blocks {
+            flops = 4.0 * (b * h * d) as f64 * mask.visible_pairs() as f64;
+        }
+        let blocks = blocks.map(|mask| BlockMask::new(mask, &dev));
         for imp in &args.impls {
             let ours = imp.starts_with("ours");
             if !ours && h_kv != h {
@@ -386,7 +442,7 @@ fn main() {
                 continue; // the other runs have no mixed form
             }
             let opts = FlashAttentionOptions::default()
-                .with_causal(causal)
+                .with_causal(causal && blocks.is_none())
                 .with_window(window, None)
                 .with_deterministic(imp == "ours-deterministic")
                 .with_dropout((args.dropout > 0.0).then(|| next_dropout(args.dropout)));
@@ -437,6 +493,11 @@ fn main() {
                             }
                             "bias" => {
                                 let terms = AttentionBias::new().with_bias(fixed_bias.clone());
+                                flash_attention_biased(q, k, v, terms, opts)
+                            }
+                            "documents" | "prefix" | "sparse" => {
+                                let mask = blocks.clone().expect("a block mask");
+                                let terms = AttentionBias::new().with_block_mask(mask);
                                 flash_attention_biased(q, k, v, terms, opts)
                             }
                             _ => flash_attention(q, k, v, opts),

@@ -1,10 +1,13 @@
-//! Attention with terms added to the scores: an additive bias (trainable), a boolean mask
-//! and ALiBi, fused into the kernels forward and backward.
+//! Attention with terms added to the scores: an additive bias (trainable), a boolean mask,
+//! ALiBi and a block mask, fused into the kernels forward and backward.
+
+use std::sync::Arc;
 
 use burn::backend::Dispatch;
-use burn::tensor::{Bool, DType, Tensor};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use cubecl_flash_attention::AttentionProblem;
+use cubecl_flash_attention::block_mask::{self, BlockMaskLayout};
 
 use crate::attention::{fused_kernels_take, validate};
 use crate::fallback;
@@ -31,6 +34,8 @@ use crate::options::{BiasedOptions, FlashAttentionOptions};
 /// - `mask`: `true` hides a key (Burn's convention), as −∞ added to the bias.
 /// - ALiBi `slopes` `[batch | 1, heads_q]`: adds `−slope · |i + seq_kv − seq_q − j|`
 ///   (bottom-right aligned, as FlashAttention-2); not differentiated.
+/// - A [`BlockMask`]: the kernels skip its empty blocks, run its full ones without mask
+///   arithmetic and hide the scores its partial ones hide.
 ///
 /// A query row whose every key is hidden gives a zero output, LSE −∞ and zero gradients.
 #[derive(Clone, Debug, Default)]
@@ -38,6 +43,68 @@ pub struct AttentionBias {
     bias: Option<Tensor<4>>,
     mask: Option<Tensor<4, Bool>>,
     alibi_slopes: Option<Tensor<2>>,
+    block_mask: Option<BlockMask>,
+}
+
+/// A block mask ([`block_mask::BlockMask`], built on the host from documents, a prefix, a
+/// window or any predicate) on a device, for [`AttentionBias::with_block_mask`]. Build it
+/// once and pass it to every call that shares it (each layer of a model, forward and
+/// backward): it is uploaded here, not per call.
+///
+/// ```
+/// # use burn::tensor::Device;
+/// # use burn_flash_attention::{AttentionBias, BlockMask};
+/// # use burn_flash_attention::kernels::{BlockShape, block_mask};
+/// # fn example(device: &Device) {
+/// // Two packed documents of 100 and 156 tokens, causal within each.
+/// let ids: Vec<u32> = (0..256).map(|t| if t < 100 { 0 } else { 1 }).collect();
+/// let blocks = BlockShape { block_q: 128, block_kv: 128 };
+/// let mask = block_mask::BlockMask::documents(&[ids.clone()], &[ids], true, blocks).unwrap();
+/// let terms = AttentionBias::new().with_block_mask(BlockMask::new(mask, device));
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct BlockMask {
+    host: Arc<block_mask::BlockMask>,
+    words: Tensor<1, Int>,
+    layout: BlockMaskLayout,
+}
+
+impl BlockMask {
+    /// `mask` on `device`.
+    pub fn new(mask: block_mask::BlockMask, device: &Device) -> Self {
+        let (words, layout) = mask.words();
+        // The words' bits, as the backend's 32-bit integers.
+        let bits: Vec<i32> = words.into_iter().map(|w| w as i32).collect();
+        let len = bits.len();
+        let words = Tensor::from_data(TensorData::new(bits, [len]), (device, DType::I32));
+        Self {
+            host: Arc::new(mask),
+            words,
+            layout,
+        }
+    }
+
+    /// The mask on the host.
+    pub fn host(&self) -> &block_mask::BlockMask {
+        &self.host
+    }
+
+    /// The mask as a boolean tensor `[b | 1, h | 1, s_q, s_kv]`, `true` where a key is hidden
+    /// (Burn's convention): what the composed path adds as −∞.
+    fn hidden(&self) -> Tensor<4, Bool> {
+        let shape = self.host.shape();
+        let [batch, heads, seq_q, seq_kv] = shape;
+        let mut hidden = Vec::with_capacity(shape.iter().product());
+        for b in 0..batch {
+            for h in 0..heads {
+                for i in 0..seq_q {
+                    hidden.extend((0..seq_kv).map(|j| !self.host.is_visible(b, h, i, j)));
+                }
+            }
+        }
+        Tensor::from_data(TensorData::new(hidden, shape), &self.words.device())
+    }
 }
 
 impl AttentionBias {
@@ -74,6 +141,12 @@ impl AttentionBias {
     /// ALiBi slopes `[batch | 1, heads_q]`.
     pub fn with_alibi(mut self, slopes: Tensor<2>) -> Self {
         self.alibi_slopes = Some(slopes);
+        self
+    }
+
+    /// A block mask `[batch | 1, heads_q | 1, seq_q, seq_kv]` (replacing an earlier one).
+    pub fn with_block_mask(mut self, mask: BlockMask) -> Self {
+        self.block_mask = Some(mask);
         self
     }
 
@@ -119,25 +192,37 @@ pub fn flash_attention_biased_with_lse(
 ) -> (Tensor<4>, Tensor<3>) {
     let problem = validate(&q, &k, &v, &options);
     check_terms(&problem, &terms, &q);
-    let (bias, slopes) = terms.folded_bias(q.dtype());
+    let mut terms = terms;
     if !fused_kernels_take(&q.device(), &problem) {
+        if let Some(blocks) = terms.block_mask.take() {
+            terms = terms.with_mask(blocks.hidden());
+        }
+        let (bias, slopes) = terms.folded_bias(q.dtype());
         return fallback::attention_biased(q, k, v, bias, slopes, &options);
     }
+    let block_mask = terms.block_mask.take();
+    let (bias, slopes) = terms.folded_bias(q.dtype());
     let options = BiasedOptions {
         attention: options,
         bias: bias.is_some(),
         alibi: slopes.is_some(),
         bias_grad: false,
+        block_mask: block_mask.as_ref().map(|m| m.layout),
     };
     // Absent terms pass untracked placeholders the kernels never read.
     let bias = bias.unwrap_or_else(|| q.clone().detach());
     let slopes = slopes.unwrap_or_else(|| Tensor::zeros([1, 1], (&q.device(), DType::F32)));
+    let words = block_mask.map_or_else(
+        || Tensor::zeros([1], (&q.device(), DType::I32)),
+        |m| m.words,
+    );
     let (o, lse) = <Dispatch as FlashAttentionOps>::flash_attention_biased_fwd(
         q.into_dispatch(),
         k.into_dispatch(),
         v.into_dispatch(),
         bias.into_dispatch(),
         slopes.detach().into_dispatch(),
+        words.into_dispatch(),
         options,
     );
     (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
@@ -170,6 +255,17 @@ fn check_terms(problem: &AttentionProblem, terms: &AttentionBias, q: &Tensor<4>)
         assert!(
             t_device == device,
             "flash_attention_biased: `{arg}` is on device {t_device:?}, expected {device:?} \
+             (the device of `q`)"
+        );
+    }
+    if let Some(blocks) = &terms.block_mask {
+        if let Err(e) = blocks.layout.check(full) {
+            panic!("flash_attention_biased: {e}");
+        }
+        let t_device = blocks.words.device();
+        assert!(
+            t_device == device,
+            "flash_attention_biased: `block_mask` is on device {t_device:?}, expected {device:?} \
              (the device of `q`)"
         );
     }

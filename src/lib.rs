@@ -41,7 +41,7 @@ mod varlen;
 mod warm_up;
 
 pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_attention};
-pub use bias::{AttentionBias, flash_attention_biased, flash_attention_biased_with_lse};
+pub use bias::{AttentionBias, BlockMask, flash_attention_biased, flash_attention_biased_with_lse};
 pub use dropout::{Dropout, next_dropout, seed_dropout};
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 pub use options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};

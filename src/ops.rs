@@ -41,8 +41,9 @@ pub trait FlashAttentionOps: Backend {
 
     /// [`flash_attention_fwd`](Self::flash_attention_fwd) with terms added to the scores
     /// after masking: `bias` `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` in the dtype of `q` (−∞
-    /// hides a key) and ALiBi `alibi_slopes` `[b | 1, h_q]`, each where `options` says it is
-    /// present.
+    /// hides a key), ALiBi `alibi_slopes` `[b | 1, h_q]` and a block mask's words
+    /// `block_mask` (32-bit, laid out as `options.block_mask` says), each where `options`
+    /// says it is present.
     #[fusion(meta = meta::biased_forward)]
     fn flash_attention_biased_fwd(
         q: FloatTensor<Self>,
@@ -50,6 +51,7 @@ pub trait FlashAttentionOps: Backend {
         v: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
+        block_mask: IntTensor<Self>,
         options: BiasedOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
@@ -63,6 +65,7 @@ pub trait FlashAttentionOps: Backend {
         v: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
+        block_mask: IntTensor<Self>,
         o: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
@@ -146,6 +149,7 @@ mod meta {
         v: &TensorSpec,
         _bias: &TensorSpec,
         _alibi_slopes: &TensorSpec,
+        _block_mask: &TensorSpec,
         options: &BiasedOptions,
     ) -> (TensorSpec, TensorSpec) {
         forward(q, k, v, &options.attention)
@@ -158,6 +162,7 @@ mod meta {
         v: &TensorSpec,
         bias: &TensorSpec,
         _alibi_slopes: &TensorSpec,
+        _block_mask: &TensorSpec,
         _o: &TensorSpec,
         _lse: &TensorSpec,
         _d_o: &TensorSpec,

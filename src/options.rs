@@ -1,5 +1,6 @@
 //! Options of a flash-attention call.
 
+use cubecl_flash_attention::block_mask::BlockMaskLayout;
 use cubecl_flash_attention::{AttentionOptions, Dropout, MaskSpec};
 use serde::{Deserialize, Serialize};
 
@@ -119,8 +120,8 @@ pub struct DecodeOptions {
 }
 
 /// Options of a call with score terms ([`flash_attention_biased`](crate::flash_attention_biased)),
-/// as the backend extension receives them: which of its `bias` and `alibi_slopes` tensors
-/// are present (absent ones are ignored placeholders).
+/// as the backend extension receives them: which of its `bias`, `alibi_slopes` and
+/// `block_mask` tensors are present (absent ones are ignored placeholders).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct BiasedOptions {
     pub attention: FlashAttentionOptions,
@@ -130,4 +131,7 @@ pub struct BiasedOptions {
     pub alibi: bool,
     /// The backward returns the bias's gradient (otherwise the bias itself, as a placeholder).
     pub bias_grad: bool,
+    /// A block mask: where its views lie in the `block_mask` words tensor.
+    #[serde(default)]
+    pub block_mask: Option<BlockMaskLayout>,
 }

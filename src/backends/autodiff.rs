@@ -118,10 +118,11 @@ where
 struct BiasedBackward;
 
 impl<B: Backend + FlashAttentionOps> Backward<B, 4> for BiasedBackward {
-    /// Checkpointed Q, K, V and bias; the ALiBi slopes; the forward's O and LSE; the options.
+    /// Checkpointed Q, K, V and bias; the ALiBi slopes and the block mask; the forward's O and
+    /// LSE; the options.
     type State = (
         [NodeId; 4],
-        FloatTensor<B>,
+        (FloatTensor<B>, IntTensor<B>),
         FloatTensor<B>,
         FloatTensor<B>,
         BiasedOptions,
@@ -135,7 +136,7 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 4> for BiasedBackward {
     ) {
         let [node_q, node_k, node_v, node_bias] = ops.parents;
         let d_o = grads.consume::<B>(&ops.node);
-        let ([q_id, k_id, v_id, bias_id], slopes, o, lse, options) = ops.state;
+        let ([q_id, k_id, v_id, bias_id], (slopes, block_mask), o, lse, options) = ops.state;
         let options = BiasedOptions {
             bias_grad: options.bias && node_bias.is_some(),
             ..options
@@ -146,6 +147,7 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 4> for BiasedBackward {
             checkpointer.retrieve_node_output(v_id),
             checkpointer.retrieve_node_output(bias_id),
             slopes,
+            block_mask,
             o,
             lse,
             d_o,
@@ -214,11 +216,12 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         v: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
+        block_mask: IntTensor<Self>,
         options: BiasedOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let slopes = alibi_slopes.into_primitive();
-        let forward = |[q, k, v, bias]: [FloatTensor<B>; 4], slopes| {
-            B::flash_attention_biased_fwd(q, k, v, bias, slopes, options)
+        let forward = |[q, k, v, bias]: [FloatTensor<B>; 4], slopes, block_mask| {
+            B::flash_attention_biased_fwd(q, k, v, bias, slopes, block_mask, options)
         };
         match BiasedBackward
             .prepare::<C>([q.node(), k.node(), v.node(), bias.node()])
@@ -228,13 +231,13 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             OpsKind::Tracked(mut prep) => {
                 let ids = [&q, &k, &v, &bias].map(|t| prep.checkpoint(t));
                 let inputs = [q, k, v, bias].map(|t| t.into_primitive());
-                let (o, lse) = forward(inputs, slopes.clone());
-                let state = (ids, slopes, o.clone(), lse.clone(), options);
+                let (o, lse) = forward(inputs, slopes.clone(), block_mask.clone());
+                let state = (ids, (slopes, block_mask), o.clone(), lse.clone(), options);
                 (prep.finish(state, o), Self::from_inner(lse))
             }
             OpsKind::UnTracked(prep) => {
                 let inputs = [q, k, v, bias].map(|t| t.into_primitive());
-                let (o, lse) = forward(inputs, slopes);
+                let (o, lse) = forward(inputs, slopes, block_mask);
                 (prep.finish(o), Self::from_inner(lse))
             }
         }
@@ -247,6 +250,7 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         v: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
+        block_mask: IntTensor<Self>,
         o: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
@@ -263,6 +267,7 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             v.into_primitive(),
             bias.into_primitive(),
             alibi_slopes.into_primitive(),
+            block_mask,
             o.into_primitive(),
             lse.into_primitive(),
             d_o.into_primitive(),

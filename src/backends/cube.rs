@@ -11,6 +11,7 @@ use burn_cubecl::{
 use cubecl_flash_attention::{
     DeviceTensor, FlashError, FloatDtype, KernelPath, PackedSequences, ScoreBias,
     backward::{Gradients, Saved, backward, backward_biased, backward_packed},
+    block_mask::DeviceBlockMask,
     decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
     forward::{ForwardOutput, forward, forward_biased, forward_packed},
     rotary::Rotary,
@@ -106,6 +107,15 @@ fn score_terms(bias: CubeTensor, alibi_slopes: CubeTensor) -> [DeviceTensor; 2] 
     ]
 }
 
+/// The kernels' view of a call's block mask: its words (32-bit) and their layout, where
+/// `options` has one.
+fn device_block_mask(words: CubeTensor, options: &BiasedOptions) -> Option<DeviceBlockMask> {
+    options.block_mask.map(|layout| DeviceBlockMask {
+        words: device_tensor(cast(words, DType::I32)),
+        layout,
+    })
+}
+
 /// The kernels' dtype; the public API has already rejected anything else.
 fn float_dtype(dtype: DType) -> FloatDtype {
     kernel_dtype(dtype)
@@ -119,9 +129,11 @@ impl FlashAttentionOps for CubeBackend {
         v: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
+        block_mask: IntTensor<Self>,
         options: BiasedOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let [bias, slopes] = score_terms(bias, alibi_slopes);
+        let block_mask = device_block_mask(block_mask, &options);
         run_forward(
             "flash_attention_biased forward",
             [q, k, v],
@@ -134,7 +146,7 @@ impl FlashAttentionOps for CubeBackend {
                     ScoreBias {
                         bias: options.bias.then_some(&bias),
                         alibi_slopes: options.alibi.then_some(&slopes),
-                        block_mask: None,
+                        block_mask: block_mask.as_ref(),
                     },
                     dtype,
                     options.attention.kernel_options(),
@@ -150,6 +162,7 @@ impl FlashAttentionOps for CubeBackend {
         v: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
+        block_mask: IntTensor<Self>,
         o: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
@@ -162,6 +175,7 @@ impl FlashAttentionOps for CubeBackend {
     ) {
         let bias_tensor = bias.clone();
         let [bias, slopes] = score_terms(bias, alibi_slopes);
+        let block_mask = device_block_mask(block_mask, &options);
         let mut dbias = None;
         let (dq, dk, dv) = run_backward(
             "flash_attention_biased backward",
@@ -170,7 +184,7 @@ impl FlashAttentionOps for CubeBackend {
                 let terms = ScoreBias {
                     bias: options.bias.then_some(&bias),
                     alibi_slopes: options.alibi.then_some(&slopes),
-                    block_mask: None,
+                    block_mask: block_mask.as_ref(),
                 };
                 let (grads, d_bias) = backward_biased(
                     client,

@@ -48,6 +48,10 @@ pub struct BlockShape {
     pub block_kv: usize,
 }
 
+/// One query-block row of a mask being built: its blocks' states and its partial blocks'
+/// bits.
+type BlockRow = (Vec<BlockState>, Vec<Vec<u32>>);
+
 /// A block mask on the host ([module docs](self)).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockMask {
@@ -116,7 +120,7 @@ impl BlockMask {
         );
         let words = blocks.block_q * blocks.block_kv / 32;
         // One query-block row of one (batch, head) at a time, spread over the host's cores.
-        let row_of = |index: usize| -> (Vec<BlockState>, Vec<Vec<u32>>) {
+        let row_of = |index: usize| -> BlockRow {
             let (bh, qb) = (index / rows, index % rows);
             let (b, h) = (bh / heads, bh % heads);
             let queries = qb * blocks.block_q..((qb + 1) * blocks.block_q).min(seq_q);
@@ -124,11 +128,11 @@ impl BlockMask {
             let mut bits = Vec::new();
             for kb in 0..cols {
                 let keys = kb * blocks.block_kv..((kb + 1) * blocks.block_kv).min(seq_kv);
-                if let Some(state) = classify(b, h, queries.clone(), keys.clone()) {
-                    if state != BlockState::Partial {
-                        states.push(state);
-                        continue;
-                    }
+                if let Some(state) = classify(b, h, queries.clone(), keys.clone())
+                    && state != BlockState::Partial
+                {
+                    states.push(state);
+                    continue;
                 }
                 let mut tile = vec![0u32; words];
                 let mut seen = 0usize;
@@ -157,7 +161,7 @@ impl BlockMask {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let chunk = total_rows.div_ceil(threads).max(1);
         let row_of = &row_of;
-        let done: Vec<Vec<(Vec<BlockState>, Vec<Vec<u32>>)>> = std::thread::scope(|scope| {
+        let done: Vec<Vec<BlockRow>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..total_rows)
                 .step_by(chunk)
                 .map(|start| {
@@ -346,6 +350,34 @@ impl BlockMask {
             .filter(|&&s| s != BlockState::Empty)
             .count();
         visited as f64 / self.states.len().max(1) as f64
+    }
+
+    /// The visible scores of each of the mask's own `(b, h)`, summed (a broadcast dimension
+    /// counted once).
+    pub fn visible_pairs(&self) -> u64 {
+        let [batch, heads, seq_q, seq_kv] = self.shape;
+        let (rows, cols) = self.block_counts();
+        let words = self.blocks.block_q * self.blocks.block_kv / 32;
+        let mut pairs = 0u64;
+        for bh in 0..batch * heads {
+            for qb in 0..rows {
+                for kb in 0..cols {
+                    let index = (bh * rows + qb) * cols + kb;
+                    let queries = (seq_q - qb * self.blocks.block_q).min(self.blocks.block_q);
+                    let keys = (seq_kv - kb * self.blocks.block_kv).min(self.blocks.block_kv);
+                    pairs += match self.states[index] {
+                        BlockState::Empty => 0,
+                        BlockState::Full => (queries * keys) as u64,
+                        BlockState::Partial => {
+                            let start = self.partial[index] as usize * words;
+                            let tile = &self.bits[start..start + words];
+                            tile.iter().map(|w| u64::from(w.count_ones())).sum()
+                        }
+                    };
+                }
+            }
+        }
+        pairs
     }
 
     /// Whether query `i` of `(b, h)` sees key `j`.
