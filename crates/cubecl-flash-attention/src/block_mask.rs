@@ -86,7 +86,9 @@ impl BlockMask {
 
     /// As [`BlockMask::from_fn`], with `classify(b, h, queries, keys)` naming the state of
     /// a block where it knows it without looking at its scores (`None` where it does not):
-    /// `visible` then runs only in the blocks it leaves open.
+    /// `visible` then runs only in the blocks it leaves open. Debug builds check each block
+    /// `classify` names against `visible` and panic where they disagree
+    /// ([`BlockMask::disagreement`]).
     pub fn from_block_fn(
         [batch, heads, seq_q, seq_kv]: [usize; 4],
         blocks: BlockShape,
@@ -131,6 +133,22 @@ impl BlockMask {
                 if let Some(state) = classify(b, h, queries.clone(), keys.clone())
                     && state != BlockState::Partial
                 {
+                    if cfg!(debug_assertions) {
+                        let wrong = queries
+                            .clone()
+                            .flat_map(|i| keys.clone().map(move |j| (i, j)));
+                        let full = state == BlockState::Full;
+                        if let Some((i, j)) = wrong
+                            .into_iter()
+                            .find(|&(i, j)| visible(b, h, i, j) != full)
+                        {
+                            panic!(
+                                "block mask: block ({qb}, {kb}) of (batch {b}, head {h}) is classified \
+                                 {state:?}, but the mask's predicate says score ({i}, {j}) is {}",
+                                if full { "hidden" } else { "visible" }
+                            );
+                        }
+                    }
                     states.push(state);
                     continue;
                 }
@@ -378,6 +396,21 @@ impl BlockMask {
             }
         }
         pairs
+    }
+
+    /// The first score `(b, h, i, j)` where this mask and `visible` disagree, if any: a
+    /// check of a mask against the predicate it summarises (debug builds run it on every
+    /// block a classifier names).
+    pub fn disagreement(
+        &self,
+        visible: impl Fn(usize, usize, usize, usize) -> bool,
+    ) -> Option<[usize; 4]> {
+        let [batch, heads, seq_q, seq_kv] = self.shape;
+        (0..batch)
+            .flat_map(|b| (0..heads).map(move |h| (b, h)))
+            .flat_map(|(b, h)| (0..seq_q).map(move |i| (b, h, i)))
+            .flat_map(|(b, h, i)| (0..seq_kv).map(move |j| [b, h, i, j]))
+            .find(|&[b, h, i, j]| self.is_visible(b, h, i, j) != visible(b, h, i, j))
     }
 
     /// Whether query `i` of `(b, h)` sees key `j`.
@@ -738,6 +771,26 @@ impl SparseBlocks {
 
 #[cube]
 impl BlockTile {
+    /// The word of the block's bits holding row `row`'s streamed positions from `col`, a
+    /// multiple of 32 (absolute, within the block); every bit set in a full block or
+    /// without a block mask.
+    pub fn word(
+        &self,
+        words: &Tensor<u32>,
+        row: usize,
+        col: usize,
+        #[comptime] view: ViewShape,
+    ) -> u32 {
+        let mut word = u32::new(comptime!(u32::MAX as i64));
+        if comptime!(view.is_sparse()) {
+            if self.partial {
+                let at = (row - self.row0) * view.cols + col % view.cols;
+                word = words[self.offset + at / 32];
+            }
+        }
+        word
+    }
+
     /// Whether row `row` sees streamed position `col` (both absolute, within the block):
     /// always in a full block or without a block mask.
     pub fn keeps(
@@ -801,6 +854,29 @@ mod tests {
             }
         }
         assert_eq!(banded.state(0, 0, 0, 3), BlockState::Empty);
+    }
+
+    #[test]
+    fn a_classifier_that_disagrees_with_its_predicate_is_caught() {
+        let causal = |_: usize, _: usize, i: usize, j: usize| j <= i;
+        // Claims every block full: wrong above the diagonal.
+        let wrong = std::panic::catch_unwind(|| {
+            BlockMask::from_block_fn(
+                [1, 1, 256, 256],
+                B128,
+                |_, _, _, _| Some(BlockState::Full),
+                causal,
+            )
+        });
+        if cfg!(debug_assertions) {
+            let message = *wrong.unwrap_err().downcast::<String>().unwrap();
+            assert!(message.contains("classified Full"), "{message}");
+        } else {
+            let mask = wrong.unwrap().unwrap();
+            assert_eq!(mask.disagreement(causal), Some([0, 0, 0, 1]));
+        }
+        let right = BlockMask::from_fn([1, 1, 256, 256], B128, causal).unwrap();
+        assert_eq!(right.disagreement(causal), None);
     }
 
     #[test]

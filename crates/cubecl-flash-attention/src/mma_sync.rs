@@ -271,7 +271,8 @@ pub fn hide_columns(
 }
 
 /// As [`hide_columns`], for the columns of row `row` that a block mask's partial block hides
-/// ([`BlockTile::keeps`]); nothing in a full block or without a block mask.
+/// ([`BlockTile::keeps`]); nothing in a full block or without a block mask. The lane's
+/// columns of four neighbouring 8-column tiles share one 32-bit word of the block's bits.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn hide_unkept(
@@ -290,17 +291,24 @@ pub fn hide_unkept(
         if tile.partial {
             let in_group = i32::cast_from(UNIT_POS_PLANE % 4);
             let row = usize::cast_from(row);
+            let per_word = comptime!(tiles.min(4));
             #[unroll]
-            for n in 0..tiles {
-                let at = 2 * (first + n) + half;
-                let mut pair = acc[at];
+            for w in 0..comptime!(tiles / per_word) {
+                let word = tile.word(bits, row, usize::cast_from(col0) + w * 32, view);
                 #[unroll]
-                for e in 0..2usize {
-                    let col = col0 + i32::cast_from(n * 8 + e) + 2 * in_group;
-                    let keep = tile.keeps(bits, row, usize::cast_from(col), view);
-                    pair.insert(e, select(keep, pair.extract(e), value));
+                for m in 0..per_word {
+                    let n = w * per_word + m;
+                    let at = 2 * (first + n) + half;
+                    let mut pair = acc[at];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let col = col0 + i32::cast_from(n * 8 + e) + 2 * in_group;
+                        let bit = u32::cast_from(col) % 32;
+                        let keep = (word >> bit) & 1 == 1;
+                        pair.insert(e, select(keep, pair.extract(e), value));
+                    }
+                    acc[at] = pair;
                 }
-                acc[at] = pair;
             }
         }
     }

@@ -269,6 +269,10 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         let next = 1 - stage;
         let q0 = sparse.start(block_words, &blocks, step % blocks.count, block_q, view);
         let tile = sparse.tile(block_words, step % blocks.count, block_q, view);
+        // Read before the wait: with a block mask it comes from the mask's list.
+        let next_step = (step + 1) % blocks.count;
+        let next_q0 =
+            usize::cast_from(sparse.start(block_words, &blocks, next_step, block_q, view));
 
         // Q and dO of this block (and K, V with the first) have landed; every unit is done
         // with the previous block, so the other stage may be refilled.
@@ -283,9 +287,6 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         }
         if step + 1 < steps {
             let next_head = head_kv * group_size + usize::cast_from((step + 1) / blocks.count);
-            let next_step = (step + 1) % blocks.count;
-            let next_q0 =
-                usize::cast_from(sparse.start(block_words, &blocks, next_step, block_q, view));
             stage_rows_async(
                 q,
                 &q_rows,

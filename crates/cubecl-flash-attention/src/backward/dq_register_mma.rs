@@ -248,6 +248,10 @@ pub fn flash_backward_dq_mma<F: Float>(
         let stage = usize::cast_from(block % 2);
         let next = 1 - stage;
         let k0 = sparse.start(block_words, &blocks, block, block_k, view);
+        // Read before the wait: with a block mask it comes from the mask's list.
+        let next_tile = min(block + 1, blocks.count - 1);
+        let next_k0 =
+            usize::cast_from(sparse.start(block_words, &blocks, next_tile, block_k, view));
 
         // K and V of this block (and Q, dO with the first) have landed; every unit is done
         // with the previous block, so the other stage may be refilled.
@@ -261,8 +265,6 @@ pub fn flash_backward_dq_mma<F: Float>(
             sync_cube();
         }
         if block + 1 < blocks.count {
-            let next_k0 =
-                usize::cast_from(sparse.start(block_words, &blocks, block + 1, block_k, view));
             stage_rows_async(
                 k,
                 &k_rows,

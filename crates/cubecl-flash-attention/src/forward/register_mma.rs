@@ -255,14 +255,27 @@ pub fn flash_forward_mma<F: Float>(
         );
     }
 
+    // The next block's first key, read one block ahead: with a block mask it comes from the
+    // mask's list, and the copy of that block cannot start before it arrives.
+    let mut next_k0 = usize::cast_from(sparse.start(
+        block_words,
+        &blocks,
+        min(1, max(blocks.count - 1, 0)),
+        block_kv,
+        view,
+    ));
     for block in 0..blocks.count {
         let stage = usize::cast_from(block % 2);
         let next = 1 - stage;
         let k0 = sparse.start(block_words, &blocks, block, block_kv, view);
         let has_next = block + 1 < blocks.count;
-        let next_tile = min(block + 1, blocks.count - 1);
-        let next_k0 =
-            usize::cast_from(sparse.start(block_words, &blocks, next_tile, block_kv, view));
+        let ahead = sparse.start(
+            block_words,
+            &blocks,
+            min(block + 2, blocks.count - 1),
+            block_kv,
+            view,
+        );
 
         // K of this block (and Q, with the first; and V, when awaited together) has landed;
         // every unit is done with the previous block, so the other stage may be refilled.
@@ -578,6 +591,7 @@ pub fn flash_forward_mma<F: Float>(
                 }
             }
         }
+        next_k0 = usize::cast_from(ahead);
     }
 
     // Epilogue: the four lanes of a row add their sums; normalize and write O and the LSE.
