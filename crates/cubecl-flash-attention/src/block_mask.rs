@@ -52,6 +52,21 @@ pub struct BlockShape {
 /// bits.
 type BlockRow = (Vec<BlockState>, Vec<Vec<u32>>);
 
+impl BlockShape {
+    /// Checks that kernel tiles of `queries × keys` each lie in one block, as the kernels'
+    /// walk needs: the shipped tiles divide [`BLOCK_GRANULE`], a tuning override's may not.
+    pub(crate) fn check_tiles(&self, queries: usize, keys: usize) -> Result<(), FlashError> {
+        if self.block_q.is_multiple_of(queries) && self.block_kv.is_multiple_of(keys) {
+            return Ok(());
+        }
+        Err(FlashError::InvalidConfig(format!(
+            "a block mask of {} × {} blocks needs kernel tiles that divide them, these are \
+             {queries} × {keys} (queries × keys; set by a FLASH_*_TILES override?)",
+            self.block_q, self.block_kv
+        )))
+    }
+}
+
 /// A block mask on the host ([module docs](self)).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockMask {

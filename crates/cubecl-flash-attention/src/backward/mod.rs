@@ -390,6 +390,11 @@ fn launch(
 
     match plan {
         Plan::RegisterMma(config) => {
+            // dK/dV: cubes of keys streaming queries; dQ: cubes of queries streaming keys.
+            if let Some(blocks) = terms.block_mask {
+                blocks.check_tiles(config.block_stream, config.block_rows())?;
+                blocks.check_tiles(config.block_rows(), config.block_stream)?;
+            }
             // The zeroed f32 dQ sum of the atomic form (a token tensor without).
             let dq_sum = if config.atomic_dq {
                 DeviceTensor::zeros_f32(client, &q.shape)

@@ -242,6 +242,9 @@ fn launch(
     let terms = terms.with_dropout_of(&problem);
     match plan(path, &problem, &limits, [q, k, v])? {
         Plan::RegisterMma(config) => {
+            if let Some(blocks) = terms.block_mask {
+                blocks.check_tiles(config.block_rows(), config.block_kv)?;
+            }
             let count = CubeCount::Static(
                 problem.seq_q.div_ceil(config.block_rows()) as u32,
                 (problem.batch * problem.heads_q) as u32,
