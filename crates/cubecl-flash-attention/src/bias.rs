@@ -24,6 +24,7 @@ use crate::error::FlashError;
 use crate::launch::DeviceTensor;
 use crate::mma_sync::Pair;
 use crate::problem::AttentionProblem;
+use crate::score_mod::{ScoreFn, add_f32};
 use crate::softmax::MASKED;
 
 /// Which terms a kernel adds to the scores, and whether it drops probabilities
@@ -44,12 +45,18 @@ pub struct ScoreTerms {
     /// A block mask of blocks of this shape ([`crate::block_mask`]).
     #[serde(default)]
     pub block_mask: Option<BlockShape>,
+    /// A score function ([`crate::score_mod`]), applied after the other terms.
+    #[serde(skip)]
+    pub score_mod: Option<ScoreFn>,
+    /// The dQ kernels add the gradient of the score function's parameters.
+    #[serde(default)]
+    pub score_params_grad: bool,
 }
 
 impl ScoreTerms {
     /// Whether any term is added.
     pub fn any(&self) -> bool {
-        self.bias || self.alibi
+        self.bias || self.alibi || self.score_mod.is_some()
     }
 
     /// The block mask as the kernels that own query rows (forward, dQ) or, with `by_key`,
@@ -76,6 +83,20 @@ pub struct ScoreBias<'a> {
     pub alibi_slopes: Option<&'a DeviceTensor>,
     /// A block mask of `[b | 1, h_q | 1, s_q, s_kv]` scores.
     pub block_mask: Option<&'a DeviceBlockMask>,
+    /// A score function ([`crate::score_mod`]).
+    pub score_mod: Option<ScoreFn>,
+    /// The score function's parameters, f32, any shape (contiguous where their gradient is
+    /// asked for, which comes in the same shape).
+    pub score_params: Option<&'a DeviceTensor>,
+}
+
+/// Which gradients of the terms the backward computes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TermsGrad {
+    /// `d(bias)`.
+    pub bias: bool,
+    /// The gradient of the score function's parameters.
+    pub score_params: bool,
 }
 
 impl ScoreBias<'_> {
@@ -84,16 +105,18 @@ impl ScoreBias<'_> {
         Self::default()
     }
 
-    /// The kernels' `bias` and `alibi_slopes` arguments: the tensors, or for an absent one a
-    /// token the kernel never reads, `like_bias` (a tensor of the bias's dtype) or `like_f32`.
+    /// The kernels' `bias`, `alibi_slopes` and `score_params` arguments: the tensors, or
+    /// for an absent one a token the kernel never reads, `like_bias` (a tensor of the bias's
+    /// dtype) or `like_f32`.
     pub(crate) fn args(
         &self,
         like_bias: &DeviceTensor,
         like_f32: &DeviceTensor,
-    ) -> [DeviceTensor; 2] {
+    ) -> [DeviceTensor; 3] {
         [
             self.bias.unwrap_or(like_bias).clone(),
             self.alibi_slopes.unwrap_or(like_f32).clone(),
+            self.score_params.unwrap_or(like_f32).clone(),
         ]
     }
 
@@ -111,13 +134,14 @@ impl ScoreBias<'_> {
         }
     }
 
-    /// The terms, their tensors checked against `problem`; `bias_grad` asks the backward
-    /// for `d(bias)`.
+    /// The terms, their tensors checked against `problem`; `grad` says which of their
+    /// gradients the backward computes.
     pub fn terms(
         &self,
         problem: &AttentionProblem,
-        bias_grad: bool,
+        grad: TermsGrad,
     ) -> Result<ScoreTerms, FlashError> {
+        let bias_grad = grad.bias;
         let full = [
             problem.batch,
             problem.heads_q,
@@ -163,6 +187,40 @@ impl ScoreBias<'_> {
         if let Some(mask) = self.block_mask {
             mask.check(full)?;
             terms.block_mask = Some(mask.layout.blocks);
+        }
+        terms.score_mod = self.score_mod;
+        if self.score_params.is_some() && self.score_mod.is_none() {
+            return Err(FlashError::Option {
+                arg: "score_params",
+                expected: "a score function to read them".into(),
+            });
+        }
+        if grad.score_params {
+            let Some(params) = self.score_params.filter(|_| self.score_mod.is_some()) else {
+                return Err(FlashError::Option {
+                    arg: "score_params_grad",
+                    expected: "a score function and its parameters to differentiate".into(),
+                });
+            };
+            if !params.is_contiguous() {
+                return Err(FlashError::Option {
+                    arg: "score_params",
+                    expected: format!(
+                        "contiguous parameters where their gradient is asked for, got strides \
+                         {:?} for shape {:?}",
+                        params.strides, params.shape
+                    ),
+                });
+            }
+            if problem.options.deterministic {
+                return Err(FlashError::Option {
+                    arg: "deterministic",
+                    expected: "false: the gradient of a score function's parameters is added \
+                               up atomically, in no fixed order"
+                        .into(),
+                });
+            }
+            terms.score_params_grad = true;
         }
         Ok(terms)
     }
@@ -352,16 +410,7 @@ impl BiasGradLine {
     ) {
         let cell = &dbias[self.offset + key * self.stride];
         if comptime!(terms.bias_grad_sums) {
-            // f32 addition by compare-and-swap on the bits (WGSL has no f32 atomics).
-            let mut old = cell.load();
-            loop {
-                let new = u32::reinterpret(f32::reinterpret(old) + ds);
-                let seen = cell.compare_exchange_weak(old, new);
-                if seen == old {
-                    break;
-                }
-                old = seen;
-            }
+            add_f32(cell, ds);
         } else {
             cell.store(u32::reinterpret(ds));
         }

@@ -71,6 +71,11 @@ impl DeviceTensor {
         Ok(RowLayoutLaunch::new(batch, head, row, seq))
     }
 
+    /// Whether the tensor is row-major with no gaps.
+    pub fn is_contiguous(&self) -> bool {
+        self.strides == contiguous_strides(&self.shape)
+    }
+
     /// Elements from the first to the last one the tensor addresses, inclusive.
     pub(crate) fn span(&self) -> usize {
         self.shape

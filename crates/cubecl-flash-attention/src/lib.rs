@@ -35,6 +35,7 @@ pub mod problem;
 pub mod reference;
 pub mod rotary;
 pub mod score;
+pub mod score_mod;
 pub mod sequence;
 pub mod softmax;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
@@ -42,7 +43,7 @@ pub mod sources;
 pub mod tile;
 pub mod wgmma;
 
-pub use bias::{ScoreBias, ScoreTerms};
+pub use bias::{ScoreBias, ScoreTerms, TermsGrad};
 pub use block_mask::{BlockMask, BlockShape, BlockState};
 pub use config::{DeviceLimits, KernelPath, TileConfig};
 pub use dropout::Dropout;

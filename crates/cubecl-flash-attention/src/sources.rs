@@ -47,6 +47,7 @@ use crate::forward::{
 use crate::mask::MaskSpec;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 use crate::rotary::RotaryConfig;
+use crate::score_mod::{ScoreFn, ScoreMod, ScorePosition, add_grad};
 use crate::tile::RowLayoutCompilationArg;
 
 /// How the decode kernels divide positions by the page size: by multiplication where the
@@ -378,6 +379,8 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
             block_q: BLOCK_GRANULE,
             block_kv: BLOCK_GRANULE,
         }),
+        score_mod: Some(ScoreFn::of::<CheckedScoreMod>()),
+        score_params_grad: true,
     };
     let variants = shipped_problems().into_iter().flat_map(|problem| {
         let one_form =
@@ -498,6 +501,42 @@ fn settings(units: usize) -> KernelSettings {
     )
 }
 
+/// A score function that uses every hook, for the checks: a bias per query head and
+/// clipped distance (`params` `[heads, 65]`), a tanh cap, and keys more than 512 positions
+/// ahead of the query hidden.
+struct CheckedScoreMod;
+
+#[cube]
+impl ScoreMod for CheckedScoreMod {
+    fn score(score: f32, at: &ScorePosition, params: &Tensor<f32>) -> f32 {
+        (score + params[checked_cell(at, params)]).tanh() * 30.0
+    }
+    fn score_grad(_score: f32, modded: f32, _at: &ScorePosition, _params: &Tensor<f32>) -> f32 {
+        let t = modded / 30.0;
+        1.0 - t * t
+    }
+    fn params_grad(
+        grad: f32,
+        score: f32,
+        modded: f32,
+        at: &ScorePosition,
+        params: &Tensor<f32>,
+        grads: &mut Tensor<Atomic<u32>>,
+    ) {
+        let dx = grad * CheckedScoreMod::score_grad(score, modded, at, params);
+        add_grad(grads, checked_cell(at, params), dx);
+    }
+    fn visible(at: &ScorePosition, _params: &Tensor<f32>) -> bool {
+        at.key <= at.query + 512
+    }
+}
+
+#[cube]
+fn checked_cell(at: &ScorePosition, params: &Tensor<f32>) -> usize {
+    let distance = clamp(i32::cast_from(at.key) - i32::cast_from(at.query), -32, 32);
+    at.head * params.stride(0) + usize::cast_from(distance + 32)
+}
+
 /// Every kernel the launchers run for `problem` on a device with `limits`, by name; with
 /// `packed`, the training kernels' forms for packed variable-length batches.
 fn kernels(
@@ -514,6 +553,12 @@ fn kernels(
     };
     let elem = problem.dtype.elem_type();
     let err = |e: crate::FlashError| e.to_string();
+    // Score functions run on the `cmma` and portable kernels only.
+    let register_terms = ScoreTerms {
+        score_mod: None,
+        score_params_grad: false,
+        ..terms
+    };
     let mut kernels: Vec<(&'static str, KernelResult)> = Vec::new();
 
     kernels.push((
@@ -540,6 +585,7 @@ fn kernels(
                 dropout_args(),
                 tensor(),
                 view_layout(),
+                tensor(),
                 c,
                 packed,
                 terms,
@@ -774,6 +820,7 @@ fn kernels(
                 dropout_args(),
                 tensor(),
                 view_layout(),
+                tensor(),
                 c,
                 packed,
                 terms,
@@ -806,6 +853,8 @@ fn kernels(
                 dropout_args(),
                 tensor(),
                 view_layout(),
+                tensor(),
+                tensor(),
                 tensor(),
                 c,
                 packed,
@@ -862,7 +911,7 @@ fn kernels(
                         view_layout(),
                         c,
                         packed,
-                        terms,
+                        register_terms,
                         elem,
                     )) as Box<dyn CubeKernel>
                 }),
@@ -937,7 +986,7 @@ fn kernels(
                                 c,
                                 gradients,
                                 packed,
-                                terms,
+                                register_terms,
                                 elem,
                             ),
                         )),
@@ -998,7 +1047,7 @@ fn kernels(
                         tensor(),
                         c,
                         packed,
-                        terms,
+                        register_terms,
                         elem,
                     ))),
                 ));
@@ -1032,6 +1081,7 @@ fn kernels(
                 dropout_args(),
                 tensor(),
                 view_layout(),
+                tensor(),
                 c,
                 packed,
                 terms,
@@ -1065,6 +1115,7 @@ fn kernels(
                 dropout_args(),
                 tensor(),
                 view_layout(),
+                tensor(),
                 c,
                 packed,
                 terms,
@@ -1097,6 +1148,8 @@ fn kernels(
                 dropout_args(),
                 tensor(),
                 view_layout(),
+                tensor(),
+                tensor(),
                 tensor(),
                 c,
                 packed,

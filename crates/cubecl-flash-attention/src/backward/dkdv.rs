@@ -14,6 +14,7 @@ use crate::config::TileConfig;
 use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
+use crate::score_mod::ScoreCall;
 use crate::sequence::Sequence;
 use crate::tile::{
     add_scaled_and_dot_staged, add_scaled_staged, dot_staged, load_rows, load_vector, read_row,
@@ -42,6 +43,7 @@ pub fn flash_backward_dkdv<F: Float>(
     dropout: DropoutArgs,
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
+    score_params: &Tensor<f32>,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -113,6 +115,7 @@ pub fn flash_backward_dkdv<F: Float>(
         let head_q = head_kv * group + g;
         let terms_line =
             BiasLine::along_queries(bias, alibi_slopes, batch, head_q, key, seq_q, seq_kv, terms);
+        let call = ScoreCall::new(batch, head_q, seq_q, seq_kv);
         let dropout = dropout.stream(sequence.index, q.shape(1), head_q);
         let (sparse, blocks) = SparseBlocks::of(
             block_words,
@@ -184,7 +187,9 @@ pub fn flash_backward_dkdv<F: Float>(
                         dot_staged(&k_row, &q_tile, i * dim_qk, len_qk, dim_qk, config.columns);
                     let s = score(dot, scale, softcap, config.softcap);
                     let logit = terms_line.add(bias, s, q0_u + i, 1.0, terms);
-                    let p = (logit - lse_tile[i]).exp();
+                    let query = q0_u + i;
+                    let modded = call.apply(logit, query, key, score_params, terms.score_mod);
+                    let p = (modded - lse_tile[i]).exp();
                     // dV += P·dOᵢ and dP = dOᵢ·V, reading the staged dO row once (the
                     // dropout's factor on both).
                     let mut p_kept = p;
@@ -206,8 +211,17 @@ pub fn flash_backward_dkdv<F: Float>(
                     if comptime!(terms.dropout) {
                         dp *= factor;
                     }
-                    let ds =
-                        p * (dp - delta_tile[i]) * score_grad(s, scale, softcap, config.softcap);
+                    let ds_modded = p * (dp - delta_tile[i]);
+                    let ds_logit = call.grad(
+                        ds_modded,
+                        logit,
+                        modded,
+                        query,
+                        key,
+                        score_params,
+                        terms.score_mod,
+                    );
+                    let ds = ds_logit * score_grad(s, scale, softcap, config.softcap);
                     add_scaled_staged(
                         &mut dk_acc,
                         ds,

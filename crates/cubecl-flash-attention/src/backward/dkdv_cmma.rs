@@ -21,6 +21,7 @@ use crate::mma::{
     zero_accumulators,
 };
 use crate::score::{score, score_grad};
+use crate::score_mod::ScoreCall;
 use crate::sequence::Sequence;
 use crate::tile::{load_vector, stage_rows, write_rows};
 
@@ -67,6 +68,7 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
     dropout: DropoutArgs,
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
+    score_params: &Tensor<f32>,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -162,6 +164,7 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
             seq_kv,
             terms,
         );
+        let call = ScoreCall::new(batch, head_q, seq_q, seq_kv);
         let dropout = dropout.stream(sequence.index, q.shape(1), head_q);
         let (sparse, blocks) = SparseBlocks::of(
             block_words,
@@ -257,10 +260,12 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
                 let col = j * per_row + part;
                 let s = score(s_tile[my_key * s_ld + col], scale, softcap, config.softcap);
                 let logit = terms_line.add(bias, s, q0_u + col, 1.0, terms);
+                let (query, key) = (q0_u + col, k_begin + my_key);
+                let modded = call.apply(logit, query, key, score_params, terms.score_mod);
                 let visible = !needs_mask
                     || (mask.is_visible(q0 + i32::cast_from(col), key_i)
-                        && tile.keeps(block_words, k_begin + my_key, q0_u + col, view));
-                let p = select(visible, (logit - lse_tile[col]).exp(), 0.0);
+                        && tile.keeps(block_words, key, query, view));
+                let p = select(visible, (modded - lse_tile[col]).exp(), 0.0);
                 let mut dp = dp_tile[my_key * dp_ld + col];
                 let mut p_kept = p;
                 if comptime!(terms.dropout) {
@@ -268,7 +273,17 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
                     dp *= factor;
                     p_kept *= factor;
                 }
-                let ds = p * (dp - delta_tile[col]) * score_grad(s, scale, softcap, config.softcap);
+                let ds_modded = p * (dp - delta_tile[col]);
+                let ds_logit = call.grad(
+                    ds_modded,
+                    logit,
+                    modded,
+                    query,
+                    key,
+                    score_params,
+                    terms.score_mod,
+                );
+                let ds = ds_logit * score_grad(s, scale, softcap, config.softcap);
                 p_tile[my_key * p_ld + col] = F::cast_from(p_kept);
                 ds_tile[my_key * p_ld + col] = F::cast_from(ds);
             }

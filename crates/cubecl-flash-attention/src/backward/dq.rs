@@ -13,6 +13,7 @@ use crate::config::TileConfig;
 use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::score::{score, score_grad};
+use crate::score_mod::ScoreCall;
 use crate::sequence::Sequence;
 use crate::tile::{
     Head, add_scaled_staged, dot_staged, load_key_value_block, read_row, write_row, zero_row,
@@ -40,6 +41,8 @@ pub fn flash_backward_dq<F: Float>(
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
     dbias: &mut Tensor<Atomic<u32>>,
+    score_params: &Tensor<f32>,
+    score_grads: &mut Tensor<Atomic<u32>>,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -117,6 +120,7 @@ pub fn flash_backward_dq<F: Float>(
         terms,
     );
     let grad_line = BiasGradLine::along_keys(dbias, batch, head.head_q, min(row, seq_q - 1));
+    let call = ScoreCall::new(batch, head.head_q, seq_q, seq_kv);
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
@@ -153,15 +157,39 @@ pub fn flash_backward_dq<F: Float>(
                 let dot = dot_staged(&q_row, &k_tile, j * dim_qk, len_qk, dim_qk, config.columns);
                 let s = score(dot, scale, softcap, config.softcap);
                 let logit = terms_line.add(bias, s, key, 1.0, terms);
-                let p = (logit - row_lse).exp();
+                let modded = call.apply(logit, row, key, score_params, terms.score_mod);
+                let p = (modded - row_lse).exp();
                 let mut dp = dot_staged(&do_row, &v_tile, j * dim_v, len_v, dim_v, config.columns);
                 if comptime!(terms.dropout) {
                     dp *= dropout.factor(row, key);
                 }
-                // dS with respect to the logit: the bias's gradient.
-                let ds_logit = p * (dp - row_delta);
+                // dS with respect to the score function's output, then to the logit: the
+                // bias's gradient.
+                let ds_modded = p * (dp - row_delta);
+                let in_sequences = row < seq_q && key < seq_kv;
+                if in_sequences {
+                    call.add_params_grad(
+                        ds_modded,
+                        logit,
+                        modded,
+                        row,
+                        key,
+                        score_params,
+                        score_grads,
+                        terms,
+                    );
+                }
+                let ds_logit = call.grad(
+                    ds_modded,
+                    logit,
+                    modded,
+                    row,
+                    key,
+                    score_params,
+                    terms.score_mod,
+                );
                 if comptime!(terms.bias_grad) {
-                    if row < seq_q && key < seq_kv {
+                    if in_sequences {
                         grad_line.add(dbias, key, ds_logit, terms);
                     }
                 }

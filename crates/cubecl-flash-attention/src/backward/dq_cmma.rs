@@ -17,6 +17,7 @@ use crate::mma::{
     zero_accumulators,
 };
 use crate::score::{score, score_grad};
+use crate::score_mod::ScoreCall;
 use crate::sequence::Sequence;
 use crate::tile::{Head, row_offset, stage_rows, write_rows};
 
@@ -57,6 +58,8 @@ pub fn flash_backward_dq_cmma<F: Float>(
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
     dbias: &mut Tensor<Atomic<u32>>,
+    score_params: &Tensor<f32>,
+    score_grads: &mut Tensor<Atomic<u32>>,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -102,6 +105,7 @@ pub fn flash_backward_dq_cmma<F: Float>(
         terms,
     );
     let grad_line = BiasGradLine::along_keys(dbias, batch, head.head_q, min(row, seq_q - 1));
+    let call = ScoreCall::new(batch, head.head_q, seq_q, seq_kv);
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     let mut q_tile = Shared::<[F]>::new_aligned_slice(block_q * qk_ld, SHARED_ALIGN);
@@ -226,18 +230,42 @@ pub fn flash_backward_dq_cmma<F: Float>(
             let key = usize::cast_from(k0) + col;
             let s = score(s_tile[my_row * s_ld + col], scale, softcap, config.softcap);
             let logit = terms_line.add(bias, s, key, 1.0, terms);
+            let modded = call.apply(logit, row, key, score_params, terms.score_mod);
             let visible = !needs_mask
                 || (mask.is_visible(row_i, k0 + i32::cast_from(col))
                     && tile.keeps(block_words, row, key, view));
-            let p = select(visible, (logit - row_lse).exp(), 0.0);
-            // dS with respect to the logit: the bias's gradient.
+            let p = select(visible, (modded - row_lse).exp(), 0.0);
             let mut dp = dp_tile[my_row * dp_ld + col];
             if comptime!(terms.dropout) {
                 dp *= dropout.factor(row, key);
             }
-            let ds_logit = p * (dp - row_delta);
+            // dS with respect to the score function's output, then to the logit: the bias's
+            // gradient.
+            let ds_modded = p * (dp - row_delta);
+            let in_sequences = visible && row < seq_q && key < seq_kv;
+            if in_sequences {
+                call.add_params_grad(
+                    ds_modded,
+                    logit,
+                    modded,
+                    row,
+                    key,
+                    score_params,
+                    score_grads,
+                    terms,
+                );
+            }
+            let ds_logit = call.grad(
+                ds_modded,
+                logit,
+                modded,
+                row,
+                key,
+                score_params,
+                terms.score_mod,
+            );
             if comptime!(terms.bias_grad) {
-                if visible && row < seq_q && key < seq_kv {
+                if in_sequences {
                     grad_line.add(dbias, key, ds_logit, terms);
                 }
             }

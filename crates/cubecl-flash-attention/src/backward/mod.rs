@@ -30,7 +30,7 @@ mod preprocess;
 
 use cubecl::prelude::*;
 
-use crate::bias::{ScoreBias, ScoreTerms, sum_bias_grad};
+use crate::bias::{ScoreBias, ScoreTerms, TermsGrad, sum_bias_grad};
 use crate::config::{
     DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, apply_tile_override,
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_backward_tiles,
@@ -83,33 +83,48 @@ pub fn backward(
     path: KernelPath,
 ) -> Result<Gradients, FlashError> {
     let none = ScoreBias::none();
-    backward_biased(client, saved, d_out, none, false, dtype, options, path).map(|(g, _)| g)
+    let no_grad = TermsGrad::default();
+    backward_biased(client, saved, d_out, none, no_grad, dtype, options, path).map(|(g, _)| g)
+}
+
+/// The gradients of the score terms [`backward_biased`] computes, in f32 (contiguous).
+#[derive(Clone, Debug, Default)]
+pub struct TermsGradients {
+    /// `d(bias)` in the bias's shape, summed over the dimensions where the bias broadcasts.
+    pub bias: Option<DeviceTensor>,
+    /// The gradient of the score function's parameters, in their shape.
+    pub score_params: Option<DeviceTensor>,
 }
 
 /// [`backward`] of [`crate::forward::forward_biased`]: the same score terms `bias`, and
-/// with `bias_grad` also `d(bias)`, in f32 in the bias's shape (contiguous; summed over the
-/// dimensions where the bias broadcasts).
+/// the gradients of the terms `grad` asks for.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_biased(
     client: &Client,
     saved: Saved<'_>,
     d_out: &DeviceTensor,
     bias: ScoreBias<'_>,
-    bias_grad: bool,
+    grad: TermsGrad,
     dtype: FloatDtype,
     options: AttentionOptions,
     path: KernelPath,
-) -> Result<(Gradients, Option<DeviceTensor>), FlashError> {
+) -> Result<(Gradients, TermsGradients), FlashError> {
     let Saved { q, k, v, .. } = saved;
     let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
-    let mut terms = bias.terms(&problem, bias_grad)?;
-    let dbias = bias
-        .bias
-        .filter(|_| bias_grad)
-        .map(|b| DeviceTensor::zeros_f32(client, &b.shape));
+    let mut terms = bias.terms(&problem, grad)?;
+    let zeros_like = |t: &DeviceTensor| DeviceTensor::zeros_f32(client, &t.shape);
+    let dbias = bias.bias.filter(|_| grad.bias).map(zeros_like);
+    let dparams = bias
+        .score_params
+        .filter(|_| terms.score_params_grad)
+        .map(zeros_like);
     if problem.is_empty() || problem.seq_kv == 0 {
         let shapes = [&q.shape[..], &k.shape[..], &v.shape[..]];
-        return Ok((zero_gradients(client, shapes, dtype)?, dbias));
+        let terms_grads = TermsGradients {
+            bias: dbias,
+            score_params: dparams,
+        };
+        return Ok((zero_gradients(client, shapes, dtype)?, terms_grads));
     }
     // A deterministic backward adds a broadcast bias's gradient up in a pass of its own, in
     // a fixed order, from the whole `[b, h_q, s_q, s_kv]` gradient (that much memory more).
@@ -143,9 +158,19 @@ pub fn backward_biased(
         &problem.out_shape(),
         &problem.lse_shape(),
     )?;
-    let with_terms = (bias, terms, full_dbias.as_ref().or(dbias.as_ref()));
+    let outputs = TermsOutputs {
+        dbias: full_dbias.as_ref().or(dbias.as_ref()),
+        dparams: dparams.as_ref(),
+    };
     launch(
-        client, saved, d_out, &grads, &problem, None, with_terms, path,
+        client,
+        saved,
+        d_out,
+        &grads,
+        &problem,
+        None,
+        (bias, terms, outputs),
+        path,
     )?;
     if let (Some(full), Some(out)) = (&full_dbias, &dbias) {
         let elements: usize = out.shape.iter().product();
@@ -160,7 +185,19 @@ pub fn backward_biased(
             );
         }
     }
-    Ok((grads, dbias))
+    let terms_grads = TermsGradients {
+        bias: dbias,
+        score_params: dparams,
+    };
+    Ok((grads, terms_grads))
+}
+
+/// Where the dQ kernels write the terms' gradients (f32, zeroed): `d(bias)` and the score
+/// function's parameters' gradient, where the terms ask for them.
+#[derive(Clone, Copy, Default)]
+struct TermsOutputs<'a> {
+    dbias: Option<&'a DeviceTensor>,
+    dparams: Option<&'a DeviceTensor>,
 }
 
 /// [`backward`] into caller-provided gradients (shapes of Q, K, V; any strides). Needs
@@ -185,7 +222,11 @@ pub fn backward_into(
             expected: "backward_into needs non-empty query and key sequences".into(),
         });
     }
-    let no_terms = (ScoreBias::none(), ScoreTerms::default(), None);
+    let no_terms = (
+        ScoreBias::none(),
+        ScoreTerms::default(),
+        TermsOutputs::default(),
+    );
     launch(client, saved, d_out, grads, &problem, None, no_terms, path)
 }
 
@@ -306,15 +347,18 @@ fn launch_packed(
         &views,
         problem,
         Some(sequences),
-        (ScoreBias::none(), ScoreTerms::default(), None),
+        (
+            ScoreBias::none(),
+            ScoreTerms::default(),
+            TermsOutputs::default(),
+        ),
         path,
     )
 }
 
 /// Launches the backward kernels for `problem`, into `grads`, with the score terms `bias`
-/// (checked, as `terms`) and, where `terms` asks for it, their gradient into `dbias` (f32,
-/// zeroed, the bias's shape); a packed batch's tensors are the kernels' `[1, heads, total,
-/// dim]` views.
+/// (checked, as `terms`) and, where `terms` asks for them, their gradients into `outputs`;
+/// a packed batch's tensors are the kernels' `[1, heads, total, dim]` views.
 #[allow(clippy::too_many_arguments)]
 fn launch(
     client: &Client,
@@ -323,7 +367,7 @@ fn launch(
     grads: &Gradients,
     problem: &AttentionProblem,
     packed: Option<(&PackedSequences, &PackedSequences)>,
-    (bias, terms, dbias): (ScoreBias<'_>, ScoreTerms, Option<&DeviceTensor>),
+    (bias, terms, outputs): (ScoreBias<'_>, ScoreTerms, TermsOutputs<'_>),
     path: KernelPath,
 ) -> Result<(), FlashError> {
     let Saved { q, k, v, out, lse } = saved;
@@ -341,6 +385,10 @@ fn launch(
     if matches!(plan, Plan::RegisterMma(_)) && per_head_mask && problem.group_size() > 1 {
         plan = Plan::TensorCore;
     }
+    // Score functions are compiled into the `cmma` and portable kernels only.
+    if matches!(plan, Plan::RegisterMma(_)) && terms.score_mod.is_some() {
+        plan = Plan::TensorCore;
+    }
     if let (Plan::Portable { dq, .. }, true) = (&plan, terms.bias_grad_sums) {
         let iterations = loop_budget::dq_iterations(&problem, dq)
             + loop_budget::bias_grad_sum_iterations(&problem, dq);
@@ -354,9 +402,10 @@ fn launch(
     // Absent terms pass tokens the kernels never read.
     let (block_words, by_query) = bias.block_args(lse, false);
     let (_, by_key) = bias.block_args(lse, true);
-    let [bias, slopes] = bias.args(q, lse);
+    let [bias, slopes, params] = bias.args(q, lse);
     let terms = terms.with_dropout_of(&problem);
-    let dbias = dbias.unwrap_or(lse).clone();
+    let dbias = outputs.dbias.unwrap_or(lse).clone();
+    let dparams = outputs.dparams.unwrap_or(lse).clone();
     // With terms, the kernels read the LSE the delta kernel rewrites: rows the terms hide
     // completely (`LSE = −∞`) must give `P = 0`.
     let guarded_lse = (terms.any() || terms.block_mask.is_some())
@@ -533,6 +582,7 @@ fn launch(
                     problem.dropout_args(),
                     block_words.arg(),
                     by_key.arg(),
+                    params.arg(),
                     config,
                     is_packed,
                     terms,
@@ -569,6 +619,8 @@ fn launch(
                     block_words.arg(),
                     by_query.arg(),
                     dbias.arg(),
+                    params.arg(),
+                    dparams.arg(),
                     config,
                     is_packed,
                     terms,
@@ -602,6 +654,7 @@ fn launch(
                     problem.dropout_args(),
                     block_words.arg(),
                     by_key.arg(),
+                    params.arg(),
                     dkdv,
                     is_packed,
                     terms,
@@ -634,6 +687,8 @@ fn launch(
                     block_words.arg(),
                     by_query.arg(),
                     dbias.arg(),
+                    params.arg(),
+                    dparams.arg(),
                     dq,
                     is_packed,
                     terms,

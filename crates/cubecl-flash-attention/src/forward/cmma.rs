@@ -22,6 +22,7 @@ use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::mma::{Operand, PlaneRow, SHARED_ALIGN, product_to_shared};
 use crate::score::score;
+use crate::score_mod::ScoreCall;
 use crate::sequence::Sequence;
 use crate::softmax::{MASKED, RunningState, probability, row_reduce_max, row_reduce_sum};
 use crate::tile::{Head, stage_rows};
@@ -56,6 +57,7 @@ pub fn flash_forward_cmma<F: Float>(
     dropout: DropoutArgs,
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
+    score_params: &Tensor<f32>,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -140,6 +142,7 @@ pub fn flash_forward_cmma<F: Float>(
         seq_kv,
         terms,
     );
+    let call = ScoreCall::new(batch, head.head_q, seq_q, seq_kv);
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
@@ -206,6 +209,7 @@ pub fn flash_forward_cmma<F: Float>(
             let col = j * per_row + part;
             let mut s = score(s_tile[s_row + col], scale, softcap, config.softcap);
             s = terms_line.add(bias, s, k0_u + col, 1.0, terms);
+            s = call.apply(s, row, k0_u + col, score_params, terms.score_mod);
             let visible = mask.is_visible(row_i, k0 + i32::cast_from(col))
                 && tile.keeps(block_words, row, k0_u + col, view);
             if needs_mask && !visible {

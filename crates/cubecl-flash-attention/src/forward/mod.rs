@@ -6,7 +6,7 @@ mod register_mma;
 
 use cubecl::prelude::*;
 
-use crate::bias::{ScoreBias, ScoreTerms};
+use crate::bias::{ScoreBias, ScoreTerms, TermsGrad};
 use crate::config::{
     DeviceLimits, KernelPath, MmaConfig, RegisterMmaConfig, TileConfig, apply_tile_override,
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_mma_tiles,
@@ -49,7 +49,8 @@ pub fn forward(
 
 /// [`forward`] with terms added to the scores after masking ([`crate::bias`]): a bias
 /// tensor `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` in the dtype of Q (−∞ hides a key) and/or
-/// ALiBi slopes `[b | 1, h_q]` (f32).
+/// ALiBi slopes `[b | 1, h_q]` (f32), a block mask, a score function
+/// ([`crate::score_mod`]).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_biased(
     client: &Client,
@@ -62,7 +63,7 @@ pub fn forward_biased(
     path: KernelPath,
 ) -> Result<ForwardOutput, FlashError> {
     let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
-    let terms = bias.terms(&problem, false)?;
+    let terms = bias.terms(&problem, TermsGrad::default())?;
     let out = DeviceTensor::empty(client, &problem.out_shape(), dtype.size());
     let lse = DeviceTensor::empty(client, &problem.lse_shape(), 4);
     launch(
@@ -238,9 +239,14 @@ fn launch(
     let limits = DeviceLimits::from_properties(client.properties());
     let (left, right) = window_args(&problem);
     let (block_words, block_view) = bias.block_args(lse, false);
-    let [bias, slopes] = bias.args(q, lse);
+    let [bias, slopes, params] = bias.args(q, lse);
     let terms = terms.with_dropout_of(&problem);
-    match plan(path, &problem, &limits, [q, k, v])? {
+    let mut plan = plan(path, &problem, &limits, [q, k, v])?;
+    // Score functions are compiled into the `cmma` and portable kernels only.
+    if matches!(plan, Plan::RegisterMma(_)) && terms.score_mod.is_some() {
+        plan = Plan::TensorCore;
+    }
+    match plan {
         Plan::RegisterMma(config) => {
             if let Some(blocks) = terms.block_mask {
                 blocks.check_tiles(config.block_rows(), config.block_kv)?;
@@ -316,6 +322,7 @@ fn launch(
                     problem.dropout_args(),
                     block_words.arg(),
                     block_view.arg(),
+                    params.arg(),
                     config,
                     is_packed,
                     terms,
@@ -348,6 +355,7 @@ fn launch(
                     problem.dropout_args(),
                     block_words.arg(),
                     block_view.arg(),
+                    params.arg(),
                     config,
                     is_packed,
                     terms,

@@ -15,6 +15,7 @@ use crate::config::TileConfig;
 use crate::dropout::DropoutArgs;
 use crate::mask::Mask;
 use crate::score::score;
+use crate::score_mod::ScoreCall;
 use crate::sequence::Sequence;
 use crate::softmax::{MASKED, RunningState, probability};
 use crate::tile::{
@@ -42,6 +43,7 @@ pub fn flash_forward<F: Float>(
     dropout: DropoutArgs,
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
+    score_params: &Tensor<f32>,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -106,6 +108,7 @@ pub fn flash_forward<F: Float>(
         seq_kv,
         terms,
     );
+    let call = ScoreCall::new(sequence.batch, head.head_q, seq_q, seq_kv);
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {
@@ -143,6 +146,7 @@ pub fn flash_forward<F: Float>(
             let dot = dot_staged(&q_row, &k_tile, j * dim_qk, len_qk, dim_qk, config.columns);
             let mut s = score(dot, scale, softcap, config.softcap);
             s = terms_line.add(bias, s, k0_u + j, 1.0, terms);
+            s = call.apply(s, row, k0_u + j, score_params, terms.score_mod);
             let visible = mask.is_visible(row_i, k0 + i32::cast_from(j))
                 && tile.keeps(block_words, row, k0_u + j, view);
             if needs_mask && !visible {

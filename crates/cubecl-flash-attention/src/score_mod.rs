@@ -1,0 +1,394 @@
+//! Score and mask functions written as CubeCL code ([`ScoreMod`]), compiled into the
+//! forward and backward kernels, as FlexAttention's `score_mod` and `mask_mod`.
+//!
+//! A kernel that carries a function ([`ScoreTerms::score_mod`](crate::ScoreTerms)) passes
+//! each score through it after the built-in terms: the softmax sees
+//! `f(softcap(q·k · scale) + bias + alibi, position)`, and `f` may hide the score
+//! ([`ScoreMod::visible`]). The backward multiplies `dS` by `f′` and hands `dS` to
+//! [`ScoreMod::params_grad`], which adds the gradient of the function's parameters: one f32
+//! tensor of any shape, read by every kernel, whose gradient the dQ kernels accumulate
+//! atomically ([`add_grad`]).
+//!
+//! ```
+//! use cubecl::prelude::*;
+//! use cubecl_flash_attention::score_mod::{ScoreMod, ScorePosition, add_grad};
+//!
+//! /// A learned bias per query head and clipped distance `key − query`: `params`
+//! /// `[heads, 2 · 64 + 1]`.
+//! struct RelativeBias;
+//!
+//! #[cube]
+//! impl ScoreMod for RelativeBias {
+//!     fn score(score: f32, at: &ScorePosition, params: &Tensor<f32>) -> f32 {
+//!         score + params[cell(at, params)]
+//!     }
+//!     fn score_grad(_score: f32, _modded: f32, _at: &ScorePosition, _params: &Tensor<f32>) -> f32 {
+//!         1.0
+//!     }
+//!     fn params_grad(
+//!         grad: f32,
+//!         _score: f32,
+//!         _modded: f32,
+//!         at: &ScorePosition,
+//!         params: &Tensor<f32>,
+//!         grads: &mut Tensor<Atomic<u32>>,
+//!     ) {
+//!         add_grad(grads, cell(at, params), grad);
+//!     }
+//!     fn visible(_at: &ScorePosition, _params: &Tensor<f32>) -> bool {
+//!         true
+//!     }
+//! }
+//!
+//! #[cube]
+//! fn cell(at: &ScorePosition, params: &Tensor<f32>) -> usize {
+//!     let distance = clamp(i32::cast_from(at.key) - i32::cast_from(at.query), -64, 64);
+//!     at.head * params.stride(0) + usize::cast_from(distance + 64)
+//! }
+//! ```
+//!
+//! The function is a type; [`ScoreFn::of`] names it to the kernels, which compile once per
+//! function (and per the rest of their configuration).
+
+use std::any::TypeId;
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::marker::PhantomData;
+
+use cubecl::intrinsic;
+use cubecl::prelude::*;
+
+use crate::bias::ScoreTerms;
+use crate::softmax::MASKED;
+
+/// Where a score lies: batch (the sequence of a batch), query head, query row and key
+/// position (counted from the start of the sequence).
+#[derive(CubeType, Clone, Copy)]
+pub struct ScorePosition {
+    pub batch: usize,
+    pub head: usize,
+    pub query: usize,
+    pub key: usize,
+}
+
+/// A score function and mask, written with `#[cube]` methods (see the [module](self)).
+/// Scores are in natural-log units, as the softmax `exp(s − LSE)` sees them; `params` is
+/// the function's f32 tensor (a placeholder where none is passed).
+#[cube]
+pub trait ScoreMod: Send + Sync + 'static {
+    /// The score the softmax sees, from `score` (the score with the built-in terms).
+    fn score(score: f32, at: &ScorePosition, params: &Tensor<f32>) -> f32;
+
+    /// `d score(x) / dx` at `x = score`, where `modded = score(x)`.
+    fn score_grad(score: f32, modded: f32, at: &ScorePosition, params: &Tensor<f32>) -> f32;
+
+    /// Adds the gradient of `params` at this score to `grads` (f32 bits, `params`'s shape,
+    /// contiguous; add with [`add_grad`]), where `grad` is the loss's derivative with
+    /// respect to the modified score. Runs only where `params`'s gradient is asked for,
+    /// once per visible score.
+    fn params_grad(
+        grad: f32,
+        score: f32,
+        modded: f32,
+        at: &ScorePosition,
+        params: &Tensor<f32>,
+        grads: &mut Tensor<Atomic<u32>>,
+    );
+
+    /// Whether the query sees the key (on top of the causal, window and block masks).
+    fn visible(at: &ScorePosition, params: &Tensor<f32>) -> bool;
+}
+
+/// Adds `value` to element `index` of a gradient that holds f32 bits, atomically (a
+/// compare-and-swap loop, which every runtime has).
+#[cube]
+pub fn add_grad(grads: &mut Tensor<Atomic<u32>>, index: usize, value: f32) {
+    add_f32(&grads[index], value);
+}
+
+/// `cell += value` on f32 bits, by compare-and-swap (WGSL has no f32 atomics).
+#[cube]
+pub fn add_f32(cell: &Atomic<u32>, value: f32) {
+    let mut old = cell.load();
+    loop {
+        let new = u32::reinterpret(f32::reinterpret(old) + value);
+        let seen = cell.compare_exchange_weak(old, new);
+        if seen == old {
+            break;
+        }
+        old = seen;
+    }
+}
+
+type Expand<T> = <T as CubeType>::ExpandType;
+
+/// A [`ScoreMod`] behind a pointer: the kernels' expansion calls it without being generic
+/// over the function.
+trait ExpandScoreMod: Send + Sync {
+    fn id(&self) -> TypeId;
+    fn name(&self) -> &'static str;
+    fn score(
+        &self,
+        scope: &Scope,
+        score: Expand<f32>,
+        at: &Expand<ScorePosition>,
+        params: &Expand<Tensor<f32>>,
+    ) -> Expand<f32>;
+    fn score_grad(
+        &self,
+        scope: &Scope,
+        score: Expand<f32>,
+        modded: Expand<f32>,
+        at: &Expand<ScorePosition>,
+        params: &Expand<Tensor<f32>>,
+    ) -> Expand<f32>;
+    #[allow(clippy::too_many_arguments)]
+    fn params_grad(
+        &self,
+        scope: &Scope,
+        grad: Expand<f32>,
+        score: Expand<f32>,
+        modded: Expand<f32>,
+        at: &Expand<ScorePosition>,
+        params: &Expand<Tensor<f32>>,
+        grads: &mut Expand<Tensor<Atomic<u32>>>,
+    );
+    fn visible(
+        &self,
+        scope: &Scope,
+        at: &Expand<ScorePosition>,
+        params: &Expand<Tensor<f32>>,
+    ) -> Expand<bool>;
+}
+
+struct Erased<M>(PhantomData<fn() -> M>);
+
+impl<M: ScoreMod> ExpandScoreMod for Erased<M> {
+    fn id(&self) -> TypeId {
+        TypeId::of::<M>()
+    }
+    fn name(&self) -> &'static str {
+        std::any::type_name::<M>()
+    }
+    fn score(
+        &self,
+        scope: &Scope,
+        score: Expand<f32>,
+        at: &Expand<ScorePosition>,
+        params: &Expand<Tensor<f32>>,
+    ) -> Expand<f32> {
+        M::__expand_score(scope, score, at, params)
+    }
+    fn score_grad(
+        &self,
+        scope: &Scope,
+        score: Expand<f32>,
+        modded: Expand<f32>,
+        at: &Expand<ScorePosition>,
+        params: &Expand<Tensor<f32>>,
+    ) -> Expand<f32> {
+        M::__expand_score_grad(scope, score, modded, at, params)
+    }
+    fn params_grad(
+        &self,
+        scope: &Scope,
+        grad: Expand<f32>,
+        score: Expand<f32>,
+        modded: Expand<f32>,
+        at: &Expand<ScorePosition>,
+        params: &Expand<Tensor<f32>>,
+        grads: &mut Expand<Tensor<Atomic<u32>>>,
+    ) {
+        M::__expand_params_grad(scope, grad, score, modded, at, params, grads)
+    }
+    fn visible(
+        &self,
+        scope: &Scope,
+        at: &Expand<ScorePosition>,
+        params: &Expand<Tensor<f32>>,
+    ) -> Expand<bool> {
+        M::__expand_visible(scope, at, params)
+    }
+}
+
+/// A [`ScoreMod`] as the kernels' compile-time configuration names it: equal, and hashed
+/// alike, for the same type.
+#[derive(Clone, Copy)]
+pub struct ScoreFn(&'static dyn ExpandScoreMod);
+
+impl ScoreFn {
+    /// The function `M`.
+    pub fn of<M: ScoreMod>() -> Self {
+        // `Erased<M>` has no size: leaking it allocates nothing.
+        Self(Box::leak(Box::new(Erased::<M>(PhantomData))))
+    }
+
+    /// The function's type name.
+    pub fn name(&self) -> &'static str {
+        self.0.name()
+    }
+}
+
+impl PartialEq for ScoreFn {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.id() == other.0.id()
+    }
+}
+
+impl Eq for ScoreFn {}
+
+impl Hash for ScoreFn {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.id().hash(state);
+    }
+}
+
+impl fmt::Debug for ScoreFn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScoreFn({})", self.name())
+    }
+}
+
+/// What the kernels call: the function `f` (compiled in) at a score, with the positions
+/// clamped into the sequences (positions past the end are masked by the caller, but the
+/// function may index by them).
+#[derive(CubeType, Clone, Copy)]
+pub struct ScoreCall {
+    batch: usize,
+    head: usize,
+    last_q: usize,
+    last_kv: usize,
+}
+
+#[cube]
+impl ScoreCall {
+    /// Scores of `(batch, head)` of sequences `seq_q × seq_kv`.
+    pub fn new(batch: usize, head: usize, seq_q: usize, seq_kv: usize) -> ScoreCall {
+        ScoreCall {
+            batch,
+            head,
+            last_q: seq_q - 1,
+            last_kv: seq_kv - 1,
+        }
+    }
+
+    /// The position of `(query, key)`.
+    pub fn at(&self, query: usize, key: usize) -> ScorePosition {
+        ScorePosition {
+            batch: self.batch,
+            head: self.head,
+            query: min(query, self.last_q),
+            key: min(key, self.last_kv),
+        }
+    }
+
+    /// The score `x` of `(query, key)` through `f` ([`modded`]), or as is without one.
+    pub fn apply(
+        &self,
+        x: f32,
+        query: usize,
+        key: usize,
+        params: &Tensor<f32>,
+        #[comptime] f: Option<ScoreFn>,
+    ) -> f32 {
+        let mut y = x;
+        if comptime!(f.is_some()) {
+            y = modded(x, &self.at(query, key), params, comptime!(f.unwrap()));
+        }
+        y
+    }
+
+    /// `dL/dx` from `ds = dL/dy` at `(query, key)`, where `y` = [`ScoreCall::apply`]`(x)`
+    /// (0 where `ds` is).
+    #[allow(clippy::too_many_arguments)]
+    pub fn grad(
+        &self,
+        ds: f32,
+        x: f32,
+        y: f32,
+        query: usize,
+        key: usize,
+        params: &Tensor<f32>,
+        #[comptime] f: Option<ScoreFn>,
+    ) -> f32 {
+        let mut dx = ds;
+        if comptime!(f.is_some()) {
+            // A hidden score (`y` = MASKED) has `ds = 0`, whatever `f′` makes of it.
+            let slope = modded_grad(x, y, &self.at(query, key), params, comptime!(f.unwrap()));
+            dx = select(ds == 0.0, 0.0, ds * slope);
+        }
+        dx
+    }
+
+    /// Adds the parameters' gradient for `ds = dL/dy` at `(query, key)` (a visible score of
+    /// the sequences), where `terms` asks for it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_params_grad(
+        &self,
+        ds: f32,
+        x: f32,
+        y: f32,
+        query: usize,
+        key: usize,
+        params: &Tensor<f32>,
+        grads: &mut Tensor<Atomic<u32>>,
+        #[comptime] terms: ScoreTerms,
+    ) {
+        if comptime!(terms.score_params_grad) {
+            // Hidden scores have no gradient: no atomics for them.
+            if ds != 0.0 {
+                let f = comptime!(terms.score_mod.unwrap());
+                modded_params_grad(ds, x, y, &self.at(query, key), params, grads, f);
+            }
+        }
+    }
+}
+
+/// `f(x)` at `at`, or [`MASKED`] where `f` hides the score or `x` is already hidden.
+#[cube]
+pub fn modded(
+    x: f32,
+    at: &ScorePosition,
+    params: &Tensor<f32>,
+    #[comptime] f: ScoreFn,
+) -> f32 {
+    let y = call_score(x, at, params, f);
+    let visible = call_visible(at, params, f);
+    select(visible && x > f32::new(MASKED), y, f32::new(MASKED))
+}
+
+/// `f′(x)` at `at`, where `y = f(x)`.
+#[cube]
+pub fn modded_grad(
+    x: f32,
+    y: f32,
+    at: &ScorePosition,
+    params: &Tensor<f32>,
+    #[comptime] f: ScoreFn,
+) -> f32 {
+    intrinsic!(|scope| f.0.score_grad(scope, x, y, at, params))
+}
+
+/// Adds the parameters' gradient at `at` for `grad = dL/dy`.
+#[cube]
+pub fn modded_params_grad(
+    grad: f32,
+    x: f32,
+    y: f32,
+    at: &ScorePosition,
+    params: &Tensor<f32>,
+    grads: &mut Tensor<Atomic<u32>>,
+    #[comptime] f: ScoreFn,
+) {
+    intrinsic!(|scope| f.0.params_grad(scope, grad, x, y, at, params, grads))
+}
+
+#[cube]
+fn call_score(x: f32, at: &ScorePosition, params: &Tensor<f32>, #[comptime] f: ScoreFn) -> f32 {
+    intrinsic!(|scope| f.0.score(scope, x, at, params))
+}
+
+#[cube]
+fn call_visible(at: &ScorePosition, params: &Tensor<f32>, #[comptime] f: ScoreFn) -> bool {
+    intrinsic!(|scope| f.0.visible(scope, at, params))
+}
