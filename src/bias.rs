@@ -1,5 +1,6 @@
 //! Attention with terms added to the scores: an additive bias (trainable), a boolean mask,
-//! ALiBi and a block mask, fused into the kernels forward and backward.
+//! ALiBi, a block mask and a score function written as code (with trainable parameters),
+//! fused into the kernels forward and backward.
 
 use std::sync::Arc;
 
@@ -8,6 +9,7 @@ use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use cubecl_flash_attention::AttentionProblem;
 use cubecl_flash_attention::block_mask::{self, BlockMaskLayout};
+use cubecl_flash_attention::score_mod::{ScoreFn, ScoreMod};
 
 use crate::attention::{fused_kernels_take, validate};
 use crate::fallback;
@@ -36,6 +38,11 @@ use crate::options::{BiasedOptions, FlashAttentionOptions};
 ///   (bottom-right aligned, as FlashAttention-2); not differentiated.
 /// - A [`BlockMask`]: the kernels skip its empty blocks, run its full ones without mask
 ///   arithmetic and hide the scores its partial ones hide.
+/// - A score function ([`ScoreMod`], `#[cube]` code; see
+///   [`kernels::score_mod`](crate::kernels::score_mod) and `examples/score_mod.rs`) with
+///   parameters `[rows, cols]`: compiled into the kernels, applied to each score after the
+///   other terms, able to hide keys; its parameters' gradient flows under autodiff. It runs
+///   on CUDA, ROCm and wgpu devices.
 ///
 /// A query row whose every key is hidden gives a zero output, LSE −∞ and zero gradients.
 #[derive(Clone, Debug, Default)]
@@ -44,6 +51,8 @@ pub struct AttentionBias {
     mask: Option<Tensor<4, Bool>>,
     alibi_slopes: Option<Tensor<2>>,
     block_mask: Option<BlockMask>,
+    score_mod: Option<ScoreFn>,
+    score_params: Option<Tensor<2>>,
 }
 
 /// A block mask ([`block_mask::BlockMask`], built on the host from documents, a prefix, a
@@ -150,6 +159,20 @@ impl AttentionBias {
         self
     }
 
+    /// The score function `M` (replacing an earlier one), applied to each score after the
+    /// other terms.
+    pub fn with_score_mod<M: ScoreMod>(mut self) -> Self {
+        self.score_mod = Some(ScoreFn::of::<M>());
+        self
+    }
+
+    /// The score function's parameters `[rows, cols]`, any float dtype (the kernels read
+    /// them as f32); their gradient flows under autodiff.
+    pub fn with_score_params(mut self, params: Tensor<2>) -> Self {
+        self.score_params = Some(params);
+        self
+    }
+
     /// The bias with the mask folded in as −∞, in `dtype`.
     fn folded_bias(self, dtype: burn::tensor::DType) -> (Option<Tensor<4>>, Option<Tensor<2>>) {
         let mask = self.mask.map(|mask| {
@@ -193,7 +216,17 @@ pub fn flash_attention_biased_with_lse(
     let problem = validate(&q, &k, &v, &options);
     check_terms(&problem, &terms, &q);
     let mut terms = terms;
-    if !fused_kernels_take(&q.device(), &problem) {
+    let fused = fused_kernels_take(&q.device(), &problem);
+    if let (Some(score_mod), false) = (terms.score_mod, fused) {
+        panic!(
+            "flash_attention_biased: the score function {} is compiled into the fused kernels, \
+             which do not take this call (device {:?}; they run on CUDA, ROCm and wgpu \
+             devices, within the device's loop budget)",
+            score_mod.name(),
+            q.device()
+        );
+    }
+    if !fused {
         if let Some(blocks) = terms.block_mask.take() {
             terms = terms.with_mask(blocks.hidden());
         }
@@ -201,6 +234,8 @@ pub fn flash_attention_biased_with_lse(
         return fallback::attention_biased(q, k, v, bias, slopes, &options);
     }
     let block_mask = terms.block_mask.take();
+    let score_mod = terms.score_mod.take();
+    let params = terms.score_params.take();
     let (bias, slopes) = terms.folded_bias(q.dtype());
     let options = BiasedOptions {
         attention: options,
@@ -208,6 +243,9 @@ pub fn flash_attention_biased_with_lse(
         alibi: slopes.is_some(),
         bias_grad: false,
         block_mask: block_mask.as_ref().map(|m| m.layout),
+        score_mod,
+        score_params: params.is_some(),
+        score_params_grad: false,
     };
     // Absent terms pass untracked placeholders the kernels never read.
     let bias = bias.unwrap_or_else(|| q.clone().detach());
@@ -216,6 +254,10 @@ pub fn flash_attention_biased_with_lse(
         || Tensor::zeros([1], (&q.device(), DType::I32)),
         |m| m.words,
     );
+    let params = params.map_or_else(
+        || Tensor::zeros([1, 1], (&q.device(), DType::F32)),
+        |p| p.cast(DType::F32),
+    );
     let (o, lse) = <Dispatch as FlashAttentionOps>::flash_attention_biased_fwd(
         q.into_dispatch(),
         k.into_dispatch(),
@@ -223,6 +265,7 @@ pub fn flash_attention_biased_with_lse(
         bias.into_dispatch(),
         slopes.detach().into_dispatch(),
         words.into_dispatch(),
+        params.into_dispatch(),
         options,
     );
     (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
@@ -267,6 +310,19 @@ fn check_terms(problem: &AttentionProblem, terms: &AttentionBias, q: &Tensor<4>)
             t_device == device,
             "flash_attention_biased: `block_mask` is on device {t_device:?}, expected {device:?} \
              (the device of `q`)"
+        );
+    }
+    if let Some(params) = &terms.score_params {
+        assert!(
+            terms.score_mod.is_some(),
+            "flash_attention_biased: `score_params` without a score function to read them \
+             (AttentionBias::with_score_mod)"
+        );
+        assert!(
+            params.device() == device,
+            "flash_attention_biased: `score_params` is on device {:?}, expected {device:?} (the \
+             device of `q`)",
+            params.device()
         );
     }
     if let Some(slopes) = &terms.alibi_slopes {

@@ -41,10 +41,11 @@ pub trait FlashAttentionOps: Backend {
 
     /// [`flash_attention_fwd`](Self::flash_attention_fwd) with terms added to the scores
     /// after masking: `bias` `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` in the dtype of `q` (−∞
-    /// hides a key), ALiBi `alibi_slopes` `[b | 1, h_q]` and a block mask's words
-    /// `block_mask` (32-bit, laid out as `options.block_mask` says), each where `options`
-    /// says it is present.
+    /// hides a key), ALiBi `alibi_slopes` `[b | 1, h_q]`, a block mask's words
+    /// `block_mask` (32-bit, laid out as `options.block_mask` says) and the parameters of
+    /// `options.score_mod`, `score_params` (f32), each where `options` says it is present.
     #[fusion(meta = meta::biased_forward)]
+    #[allow(clippy::too_many_arguments)]
     fn flash_attention_biased_fwd(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -52,11 +53,14 @@ pub trait FlashAttentionOps: Backend {
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
+        score_params: FloatTensor<Self>,
         options: BiasedOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// Gradients of q, k, v and, with `options.bias_grad`, of the bias (summed over its
-    /// broadcast dimensions; otherwise the bias itself is returned in its place).
+    /// Gradients of q, k, v; with `options.bias_grad`, of the bias (summed over its
+    /// broadcast dimensions; otherwise the bias itself is returned in its place); with
+    /// `options.score_params_grad`, of the score function's parameters (f32; otherwise the
+    /// parameters themselves).
     #[fusion(meta = meta::biased_backward)]
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_biased_bwd(
@@ -66,11 +70,13 @@ pub trait FlashAttentionOps: Backend {
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
+        score_params: FloatTensor<Self>,
         o: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
         options: BiasedOptions,
     ) -> (
+        FloatTensor<Self>,
         FloatTensor<Self>,
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -143,6 +149,7 @@ mod meta {
 
     use crate::options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};
 
+    #[allow(clippy::too_many_arguments)]
     pub fn biased_forward(
         q: &TensorSpec,
         k: &TensorSpec,
@@ -150,6 +157,7 @@ mod meta {
         _bias: &TensorSpec,
         _alibi_slopes: &TensorSpec,
         _block_mask: &TensorSpec,
+        _score_params: &TensorSpec,
         options: &BiasedOptions,
     ) -> (TensorSpec, TensorSpec) {
         forward(q, k, v, &options.attention)
@@ -163,12 +171,15 @@ mod meta {
         bias: &TensorSpec,
         _alibi_slopes: &TensorSpec,
         _block_mask: &TensorSpec,
+        score_params: &TensorSpec,
         _o: &TensorSpec,
         _lse: &TensorSpec,
         _d_o: &TensorSpec,
         _options: &BiasedOptions,
-    ) -> (TensorSpec, TensorSpec, TensorSpec, TensorSpec) {
-        (q.clone(), k.clone(), v.clone(), bias.clone())
+    ) -> (TensorSpec, TensorSpec, TensorSpec, TensorSpec, TensorSpec) {
+        // The parameters are f32, and so is their gradient.
+        let d_params = score_params.clone();
+        (q.clone(), k.clone(), v.clone(), bias.clone(), d_params)
     }
 
     pub fn varlen_forward(

@@ -1,6 +1,7 @@
 //! Options of a flash-attention call.
 
 use cubecl_flash_attention::block_mask::BlockMaskLayout;
+use cubecl_flash_attention::score_mod::ScoreFn;
 use cubecl_flash_attention::{AttentionOptions, Dropout, MaskSpec};
 use serde::{Deserialize, Serialize};
 
@@ -120,9 +121,10 @@ pub struct DecodeOptions {
 }
 
 /// Options of a call with score terms ([`flash_attention_biased`](crate::flash_attention_biased)),
-/// as the backend extension receives them: which of its `bias`, `alibi_slopes` and
-/// `block_mask` tensors are present (absent ones are ignored placeholders).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// as the backend extension receives them: which of its `bias`, `alibi_slopes`,
+/// `block_mask` and `score_params` tensors are present (absent ones are ignored
+/// placeholders), and the score function.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BiasedOptions {
     pub attention: FlashAttentionOptions,
     /// An additive bias `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` in the dtype of `q`.
@@ -132,6 +134,12 @@ pub struct BiasedOptions {
     /// The backward returns the bias's gradient (otherwise the bias itself, as a placeholder).
     pub bias_grad: bool,
     /// A block mask: where its views lie in the `block_mask` words tensor.
-    #[serde(default)]
     pub block_mask: Option<BlockMaskLayout>,
+    /// A score function ([`kernels::score_mod`](crate::kernels::score_mod)).
+    pub score_mod: Option<ScoreFn>,
+    /// The score function's parameters `score_params`, any shape.
+    pub score_params: bool,
+    /// The backward returns the parameters' gradient (otherwise the parameters themselves,
+    /// as a placeholder).
+    pub score_params_grad: bool,
 }

@@ -4,7 +4,7 @@
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use burn_flash_attention::kernels::{
-    BlockMask, BlockShape, FloatDtype, KernelPath, ScoreBias,
+    BlockMask, BlockShape, FloatDtype, KernelPath, ScoreBias, TermsGrad,
     backward::{Saved, backward_biased},
     forward::forward_biased,
     reference::{self, Broadcast4},
@@ -321,6 +321,7 @@ fn check(client: &Client, t: &TermsCase, dtype: FloatDtype, path: KernelPath) {
         bias: bias.as_ref(),
         alibi_slopes: alibi.as_ref(),
         block_mask: blocks.as_ref(),
+        ..ScoreBias::none()
     };
 
     // Outputs are fresh allocations: poison the pool they come from.
@@ -339,12 +340,16 @@ fn check(client: &Client, t: &TermsCase, dtype: FloatDtype, path: KernelPath) {
         out: &fwd.out,
         lse: &fwd.lse,
     };
-    let (grads, dbias) = backward_biased(
+    let bias_grad = TermsGrad {
+        bias: t.grad,
+        ..TermsGrad::default()
+    };
+    let (grads, of_terms) = backward_biased(
         client,
         saved,
         &d_out,
         terms,
-        t.grad,
+        bias_grad,
         dtype,
         t.case.options(),
         path,
@@ -390,7 +395,7 @@ fn check(client: &Client, t: &TermsCase, dtype: FloatDtype, path: KernelPath) {
     assert_close("dK", &got_dk, &want_grads.dk, &low.dk, 1e-4, &context);
     let got_dv = download(client, &grads.dv, dtype);
     assert_close("dV", &got_dv, &want_grads.dv, &low.dv, 1e-4, &context);
-    match (t.grad, dbias) {
+    match (t.grad, of_terms.bias) {
         (true, Some(dbias)) => {
             let got = download(client, &dbias, FloatDtype::F32);
             let want = want_grads.d_bias.expect("the oracle's bias gradient");
@@ -467,8 +472,7 @@ fn a_deterministic_bias_gradient_is_bitwise_reproducible() {
     let bias = up(&mut rng, [1, 1, 40, 40]);
     let terms = ScoreBias {
         bias: Some(&bias),
-        alibi_slopes: None,
-        block_mask: None,
+        ..ScoreBias::none()
     };
     let options = Case {
         deterministic: true,
@@ -484,18 +488,22 @@ fn a_deterministic_bias_gradient_is_bitwise_reproducible() {
         lse: &fwd.lse,
     };
     let run = || {
-        let (_, dbias) = backward_biased(
+        let bias_grad = TermsGrad {
+            bias: true,
+            ..TermsGrad::default()
+        };
+        let (_, of_terms) = backward_biased(
             &client,
             saved,
             &d_out,
             terms,
-            true,
+            bias_grad,
             dtype,
             options,
             KernelPath::Auto,
         )
         .unwrap();
-        client.read_one(dbias.unwrap().handle).unwrap()
+        client.read_one(of_terms.bias.unwrap().handle).unwrap()
     };
     let first = run();
     for _ in 0..3 {
@@ -516,16 +524,14 @@ fn terms_of_the_wrong_shape_are_named() {
         (
             ScoreBias {
                 bias: Some(&wrong_bias),
-                alibi_slopes: None,
-                block_mask: None,
+                ..ScoreBias::none()
             },
             "`bias`",
         ),
         (
             ScoreBias {
-                bias: None,
                 alibi_slopes: Some(&wrong_slopes),
-                block_mask: None,
+                ..ScoreBias::none()
             },
             "`alibi_slopes`",
         ),

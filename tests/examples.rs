@@ -87,3 +87,22 @@ fn cold_start_keeps_its_environment_in_the_cache_directory() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn score_mod_learns_a_relative_position_bias() {
+    // Trains a relative-position bias written as a `#[cube]` score function (the only way
+    // the model can tell positions apart) to look three tokens back; the example exits
+    // non-zero unless the loss fell and the bias peaks at that distance.
+    let out = Command::new(example("score_mod"))
+        .args(["--device", &common::device_name()])
+        .output()
+        .expect("running the example");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "score_mod failed: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("learned to look 3 tokens back"), "{stdout}");
+}

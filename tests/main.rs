@@ -11,6 +11,7 @@ mod examples;
 mod kernels;
 mod op;
 mod oracle;
+mod score_mod;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod sources;
 mod varlen;

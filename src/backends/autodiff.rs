@@ -112,16 +112,17 @@ where
     }
 }
 
-/// The fused backward of a call with score terms: Q, K, V and the bias are its parents; the
-/// bias's gradient comes from the same backward launch, only where the bias is tracked.
+/// The fused backward of a call with score terms: Q, K, V, the bias and the score function's
+/// parameters are its parents; the gradients of the last two come from the same backward
+/// launch, only where they are tracked.
 #[derive(Debug)]
 struct BiasedBackward;
 
-impl<B: Backend + FlashAttentionOps> Backward<B, 4> for BiasedBackward {
-    /// Checkpointed Q, K, V and bias; the ALiBi slopes and the block mask; the forward's O and
-    /// LSE; the options.
+impl<B: Backend + FlashAttentionOps> Backward<B, 5> for BiasedBackward {
+    /// Checkpointed Q, K, V, bias and score-function parameters; the ALiBi slopes and the
+    /// block mask; the forward's O and LSE; the options.
     type State = (
-        [NodeId; 4],
+        [NodeId; 5],
         (FloatTensor<B>, IntTensor<B>),
         FloatTensor<B>,
         FloatTensor<B>,
@@ -130,30 +131,30 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 4> for BiasedBackward {
 
     fn backward(
         self,
-        ops: Ops<Self::State, 4>,
+        ops: Ops<Self::State, 5>,
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        let [node_q, node_k, node_v, node_bias] = ops.parents;
+        let [node_q, node_k, node_v, node_bias, node_params] = ops.parents;
         let d_o = grads.consume::<B>(&ops.node);
-        let ([q_id, k_id, v_id, bias_id], (slopes, block_mask), o, lse, options) = ops.state;
+        let (ids, (slopes, block_mask), o, lse, options) = ops.state;
         let options = BiasedOptions {
             bias_grad: options.bias && node_bias.is_some(),
+            score_params_grad: options.score_params && node_params.is_some(),
             ..options
         };
-        let (dq, dk, dv, dbias) = B::flash_attention_biased_bwd(
-            checkpointer.retrieve_node_output(q_id),
-            checkpointer.retrieve_node_output(k_id),
-            checkpointer.retrieve_node_output(v_id),
-            checkpointer.retrieve_node_output(bias_id),
-            slopes,
-            block_mask,
-            o,
-            lse,
-            d_o,
-            options,
+        let [q, k, v, bias, params] = ids.map(|id| checkpointer.retrieve_node_output(id));
+        let (dq, dk, dv, dbias, dparams) = B::flash_attention_biased_bwd(
+            q, k, v, bias, slopes, block_mask, params, o, lse, d_o, options,
         );
-        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv), (node_bias, dbias)] {
+        let pairs = [
+            (node_q, dq),
+            (node_k, dk),
+            (node_v, dv),
+            (node_bias, dbias),
+            (node_params, dparams),
+        ];
+        for (node, grad) in pairs {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad);
             }
@@ -217,26 +218,28 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
+        score_params: FloatTensor<Self>,
         options: BiasedOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let slopes = alibi_slopes.into_primitive();
-        let forward = |[q, k, v, bias]: [FloatTensor<B>; 4], slopes, block_mask| {
-            B::flash_attention_biased_fwd(q, k, v, bias, slopes, block_mask, options)
+        let forward = |[q, k, v, bias, params]: [FloatTensor<B>; 5], slopes, block_mask| {
+            B::flash_attention_biased_fwd(q, k, v, bias, slopes, block_mask, params, options)
         };
+        let nodes = [&q, &k, &v, &bias, &score_params].map(|t| t.node());
         match BiasedBackward
-            .prepare::<C>([q.node(), k.node(), v.node(), bias.node()])
+            .prepare::<C>(nodes)
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(mut prep) => {
-                let ids = [&q, &k, &v, &bias].map(|t| prep.checkpoint(t));
-                let inputs = [q, k, v, bias].map(|t| t.into_primitive());
+                let ids = [&q, &k, &v, &bias, &score_params].map(|t| prep.checkpoint(t));
+                let inputs = [q, k, v, bias, score_params].map(|t| t.into_primitive());
                 let (o, lse) = forward(inputs, slopes.clone(), block_mask.clone());
                 let state = (ids, (slopes, block_mask), o.clone(), lse.clone(), options);
                 (prep.finish(state, o), Self::from_inner(lse))
             }
             OpsKind::UnTracked(prep) => {
-                let inputs = [q, k, v, bias].map(|t| t.into_primitive());
+                let inputs = [q, k, v, bias, score_params].map(|t| t.into_primitive());
                 let (o, lse) = forward(inputs, slopes, block_mask);
                 (prep.finish(o), Self::from_inner(lse))
             }
@@ -251,6 +254,7 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
+        score_params: FloatTensor<Self>,
         o: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
@@ -260,14 +264,16 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         FloatTensor<Self>,
         FloatTensor<Self>,
         FloatTensor<Self>,
+        FloatTensor<Self>,
     ) {
-        let (dq, dk, dv, dbias) = B::flash_attention_biased_bwd(
+        let (dq, dk, dv, dbias, dparams) = B::flash_attention_biased_bwd(
             q.into_primitive(),
             k.into_primitive(),
             v.into_primitive(),
             bias.into_primitive(),
             alibi_slopes.into_primitive(),
             block_mask,
+            score_params.into_primitive(),
             o.into_primitive(),
             lse.into_primitive(),
             d_o.into_primitive(),
@@ -278,6 +284,7 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             Self::from_inner(dk),
             Self::from_inner(dv),
             Self::from_inner(dbias),
+            Self::from_inner(dparams),
         )
     }
 

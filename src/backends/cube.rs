@@ -9,8 +9,8 @@ use burn_cubecl::{
     tensor::CubeTensor,
 };
 use cubecl_flash_attention::{
-    DeviceTensor, FlashError, FloatDtype, KernelPath, PackedSequences, ScoreBias,
-    backward::{Gradients, Saved, backward, backward_biased, backward_packed},
+    DeviceTensor, FlashError, FloatDtype, KernelPath, PackedSequences, ScoreBias, TermsGrad,
+    backward::{Gradients, Saved, TermsGradients, backward, backward_biased, backward_packed},
     block_mask::DeviceBlockMask,
     decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
     forward::{ForwardOutput, forward, forward_biased, forward_packed},
@@ -99,12 +99,32 @@ fn run_backward(
 }
 
 /// The kernels' views of a call's bias (in its own dtype, which the public API has made
-/// that of `q`) and ALiBi slopes (cast to f32).
-fn score_terms(bias: CubeTensor, alibi_slopes: CubeTensor) -> [DeviceTensor; 2] {
+/// that of `q`), ALiBi slopes and score-function parameters (cast to f32).
+fn score_terms(
+    bias: CubeTensor,
+    alibi_slopes: CubeTensor,
+    score_params: CubeTensor,
+) -> [DeviceTensor; 3] {
     [
         device_tensor(bias),
         device_tensor(cast(alibi_slopes, DType::F32)),
+        device_tensor(cast(score_params, DType::F32)),
     ]
+}
+
+/// What `options` says a call's score terms are, over their kernel views.
+fn score_bias<'a>(
+    options: &BiasedOptions,
+    [bias, slopes, params]: &'a [DeviceTensor; 3],
+    block_mask: Option<&'a DeviceBlockMask>,
+) -> ScoreBias<'a> {
+    ScoreBias {
+        bias: options.bias.then_some(bias),
+        alibi_slopes: options.alibi.then_some(slopes),
+        block_mask,
+        score_mod: options.score_mod,
+        score_params: options.score_params.then_some(params),
+    }
 }
 
 /// The kernels' view of a call's block mask: its words (32-bit) and their layout, where
@@ -130,9 +150,10 @@ impl FlashAttentionOps for CubeBackend {
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
+        score_params: FloatTensor<Self>,
         options: BiasedOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let [bias, slopes] = score_terms(bias, alibi_slopes);
+        let terms = score_terms(bias, alibi_slopes, score_params);
         let block_mask = device_block_mask(block_mask, &options);
         run_forward(
             "flash_attention_biased forward",
@@ -143,11 +164,7 @@ impl FlashAttentionOps for CubeBackend {
                     q,
                     k,
                     v,
-                    ScoreBias {
-                        bias: options.bias.then_some(&bias),
-                        alibi_slopes: options.alibi.then_some(&slopes),
-                        block_mask: block_mask.as_ref(),
-                    },
+                    score_bias(&options, &terms, block_mask.as_ref()),
                     dtype,
                     options.attention.kernel_options(),
                     KernelPath::Auto,
@@ -163,6 +180,7 @@ impl FlashAttentionOps for CubeBackend {
         bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
+        score_params: FloatTensor<Self>,
         o: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
@@ -172,39 +190,42 @@ impl FlashAttentionOps for CubeBackend {
         FloatTensor<Self>,
         FloatTensor<Self>,
         FloatTensor<Self>,
+        FloatTensor<Self>,
     ) {
-        let bias_tensor = bias.clone();
-        let [bias, slopes] = score_terms(bias, alibi_slopes);
+        let (bias_tensor, params_tensor) = (bias.clone(), score_params.clone());
+        let terms = score_terms(bias, alibi_slopes, score_params);
         let block_mask = device_block_mask(block_mask, &options);
-        let mut dbias = None;
+        let mut terms_grads = TermsGradients::default();
         let (dq, dk, dv) = run_backward(
             "flash_attention_biased backward",
             [q, k, v, o, lse, d_o],
             |client, saved, d_o, dtype| {
-                let terms = ScoreBias {
-                    bias: options.bias.then_some(&bias),
-                    alibi_slopes: options.alibi.then_some(&slopes),
-                    block_mask: block_mask.as_ref(),
-                };
-                let (grads, d_bias) = backward_biased(
+                let (grads, of_terms) = backward_biased(
                     client,
                     saved,
                     d_o,
-                    terms,
-                    options.bias_grad,
+                    score_bias(&options, &terms, block_mask.as_ref()),
+                    TermsGrad {
+                        bias: options.bias_grad,
+                        score_params: options.score_params_grad,
+                    },
                     dtype,
                     options.attention.kernel_options(),
                     KernelPath::Auto,
                 )?;
-                dbias = d_bias;
+                terms_grads = of_terms;
                 Ok(grads)
             },
         );
-        let dbias = match dbias {
+        let dbias = match terms_grads.bias {
             Some(d) => cast(cube_tensor(&bias_tensor, d, DType::F32), bias_tensor.dtype),
             None => bias_tensor,
         };
-        (dq, dk, dv, dbias)
+        let dparams = match terms_grads.score_params {
+            Some(d) => cube_tensor(&params_tensor, d, DType::F32),
+            None => params_tensor,
+        };
+        (dq, dk, dv, dbias, dparams)
     }
 
     fn flash_attention_fwd(

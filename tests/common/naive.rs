@@ -3,7 +3,8 @@
 //! attention in that dtype would (matrix products accumulate in f32). Its error against the
 //! f64 reference sets the tolerance of the kernels (see `assert_close`).
 
-use burn_flash_attention::kernels::{FloatDtype, reference::Dims};
+use burn_flash_attention::kernels::FloatDtype;
+use burn_flash_attention::kernels::reference::{Dims, HostScoreFn};
 
 use super::{Case, round};
 
@@ -13,8 +14,11 @@ pub struct Naive {
     pub dq: Vec<f64>,
     pub dk: Vec<f64>,
     pub dv: Vec<f64>,
-    /// `P ⊙ (dP − D)` `[b, h_q, s_q, s_kv]`: the gradient of the logits (of a bias).
+    /// `P ⊙ (dP − D)` `[b, h_q, s_q, s_kv]`: the gradient of the logits (of a bias, where
+    /// there is no score function).
     pub dlogits: Vec<f64>,
+    /// The gradient of the score function's parameters (empty without one).
+    pub dparams: Vec<f64>,
 }
 
 /// Forward and backward of `case` with `d_out` as the upstream gradient.
@@ -33,8 +37,19 @@ pub fn attention(
 pub fn attention_with_terms(
     case: &Case,
     dtype: FloatDtype,
+    xs: [&[f64]; 4],
+    terms: &dyn Fn(usize, usize, usize, usize) -> f64,
+) -> Naive {
+    attention_with_score_fn(case, dtype, xs, terms, None)
+}
+
+/// [`attention_with_terms`], then the score function `f` on each logit.
+pub fn attention_with_score_fn(
+    case: &Case,
+    dtype: FloatDtype,
     [q, k, v, d_out]: [&[f64]; 4],
     terms: &dyn Fn(usize, usize, usize, usize) -> f64,
+    f: Option<&HostScoreFn>,
 ) -> Naive {
     let Dims {
         batch,
@@ -57,6 +72,7 @@ pub fn attention_with_terms(
         dk: vec![0.0; d.k_len()],
         dv: vec![0.0; d.v_len()],
         dlogits: vec![0.0; d.lse_len() * seq_kv],
+        dparams: vec![0.0; f.map_or(0, |f| f.params_len)],
     };
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
     for b in 0..batch {
@@ -69,6 +85,9 @@ pub fn attention_with_terms(
             // S = round(Q·Kᵀ), then scale and softcap, each rounded.
             let mut s = vec![f64::NEG_INFINITY; seq_q * seq_kv];
             let mut ds_dqk = vec![0.0; seq_q * seq_kv];
+            // The score function's input and derivative.
+            let mut unmodded = vec![0.0; seq_q * seq_kv];
+            let mut df = vec![1.0; seq_q * seq_kv];
             for i in 0..seq_q {
                 for j in 0..seq_kv {
                     let mut x = r(r(dot(q_at(i), k_at(j))) * scale);
@@ -79,7 +98,17 @@ pub fn attention_with_terms(
                         g *= 1.0 - t * t;
                     }
                     if mask.is_visible(i, j, seq_q, seq_kv) {
-                        s[i * seq_kv + j] = r(x + terms(b, h, i, j));
+                        let mut logit = r(x + terms(b, h, i, j));
+                        if let Some(f) = f {
+                            let at = [b, h, i, j];
+                            unmodded[i * seq_kv + j] = logit;
+                            df[i * seq_kv + j] = (f.grad)(logit, at);
+                            logit = match (f.visible)(at) {
+                                true => r((f.score)(logit, at)),
+                                false => f64::NEG_INFINITY,
+                            };
+                        }
+                        s[i * seq_kv + j] = logit;
                     }
                     ds_dqk[i * seq_kv + j] = g;
                 }
@@ -124,7 +153,12 @@ pub fn attention_with_terms(
                     let pij = p[i * seq_kv + j];
                     let dlogit = r(pij * (dp[j] - delta));
                     n.dlogits[row * seq_kv + j] = dlogit;
-                    let ds = dlogit * ds_dqk[i * seq_kv + j];
+                    let mut ds = dlogit * ds_dqk[i * seq_kv + j];
+                    if let (Some(f), true) = (f, dlogit != 0.0) {
+                        let at = [b, h, i, j];
+                        (f.params_grad)(dlogit, unmodded[i * seq_kv + j], at, &mut n.dparams);
+                        ds *= df[i * seq_kv + j];
+                    }
                     let kv_row = (b * heads_kv + hk) * seq_kv + j;
                     let pz = r(pij * z[j]);
                     for c in 0..dim_v {

@@ -9,8 +9,12 @@
 //!
 //! Order of operations on a score, the same as Burn's `attention_fallback`:
 //! `s = q·k · scale`, then softcap `cap · tanh(s / cap)`, then the boolean mask, causal and
-//! window masks (masked scores are −∞), then the additive bias and ALiBi. A row whose
-//! scores are all masked gives `O = 0` and `LSE = −∞`.
+//! window masks (masked scores are −∞), then the additive bias and ALiBi, then the score
+//! function (which may hide the score). A row whose scores are all masked gives `O = 0` and
+//! `LSE = −∞`.
+
+use std::fmt;
+use std::sync::Arc;
 
 use crate::mask::MaskSpec;
 
@@ -42,6 +46,32 @@ pub struct Dropout {
     pub p: f64,
 }
 
+/// Where a score lies, as [`crate::score_mod::ScorePosition`]: `[batch, query head, query,
+/// key]`.
+pub type At = [usize; 4];
+
+/// A score function on the host, as a [`crate::score_mod::ScoreMod`] computes it on the
+/// device: the oracle's version of a test's function.
+#[derive(Clone)]
+pub struct HostScoreFn {
+    /// `f(x)` at a position.
+    pub score: Arc<dyn Fn(f64, At) -> f64 + Send + Sync>,
+    /// `f′(x)` at a position.
+    pub grad: Arc<dyn Fn(f64, At) -> f64 + Send + Sync>,
+    /// Whether the query sees the key.
+    pub visible: Arc<dyn Fn(At) -> bool + Send + Sync>,
+    /// Adds the parameters' gradient for `dL/d f(x)` (first argument) at `x` (second).
+    pub params_grad: Arc<dyn Fn(f64, f64, At, &mut [f64]) + Send + Sync>,
+    /// How many parameters there are.
+    pub params_len: usize,
+}
+
+impl fmt::Debug for HostScoreFn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HostScoreFn({} parameters)", self.params_len)
+    }
+}
+
 /// Every option the oracle supports.
 #[derive(Clone, Debug, Default)]
 pub struct ReferenceOptions {
@@ -60,6 +90,8 @@ pub struct ReferenceOptions {
     pub alibi_slopes: Option<Vec<f64>>,
     /// Dropout on the probabilities.
     pub dropout: Option<Dropout>,
+    /// A score function, after every other term.
+    pub score_fn: Option<HostScoreFn>,
 }
 
 /// Problem sizes of a reference computation.
@@ -120,13 +152,19 @@ pub struct ReferenceBackward {
     pub dk: Vec<f64>,
     pub dv: Vec<f64>,
     pub d_bias: Option<Vec<f64>>,
+    /// The gradient of the score function's parameters.
+    pub d_score_params: Option<Vec<f64>>,
 }
 
 /// The scores of one head, after every transformation, and what the backward needs.
 struct HeadScores {
     /// Final logits, −∞ where masked.
     logits: Vec<f64>,
-    /// `d logits / d (q·k)`: scale, times the softcap's `1 − tanh²`.
+    /// The logits before the score function (the bias's and the function's input).
+    unmodded: Vec<f64>,
+    /// `d logits / d unmodded`: the score function's derivative (1 without one).
+    dlogit_dunmodded: Vec<f64>,
+    /// `d unmodded / d (q·k)`: scale, times the softcap's `1 − tanh²`.
     dlogit_dqk: Vec<f64>,
 }
 
@@ -147,6 +185,8 @@ fn head_scores(
     let hk = h / dims.group();
     let scale = dims.scale(options);
     let mut logits = vec![0.0; seq_q * seq_kv];
+    let mut unmodded = vec![0.0; seq_q * seq_kv];
+    let mut dlogit_dunmodded = vec![1.0; seq_q * seq_kv];
     let mut dlogit_dqk = vec![0.0; seq_q * seq_kv];
     for i in 0..seq_q {
         let qi = &q[((b * dims.heads_q + h) * seq_q + i) * dim_qk..][..dim_qk];
@@ -177,11 +217,25 @@ fn head_scores(
                     s -= slope * dist as f64;
                 }
             }
+            unmodded[i * seq_kv + j] = s;
+            if let (Some(f), false) = (&options.score_fn, masked) {
+                let at = [b, h, i, j];
+                dlogit_dunmodded[i * seq_kv + j] = (f.grad)(s, at);
+                s = match (f.visible)(at) {
+                    true => (f.score)(s, at),
+                    false => f64::NEG_INFINITY,
+                };
+            }
             logits[i * seq_kv + j] = s;
             dlogit_dqk[i * seq_kv + j] = ds;
         }
     }
-    HeadScores { logits, dlogit_dqk }
+    HeadScores {
+        logits,
+        unmodded,
+        dlogit_dunmodded,
+        dlogit_dqk,
+    }
 }
 
 /// Row softmax with its log-sum-exp; a fully masked row gives zeros and −∞.
@@ -275,6 +329,7 @@ pub fn backward(
     let mut dk = vec![0.0; dims.k_len()];
     let mut dv = vec![0.0; dims.v_len()];
     let mut d_bias = options.bias.as_ref().map(|b| vec![0.0; b.data.len()]);
+    let mut d_params = options.score_fn.as_ref().map(|f| vec![0.0; f.params_len]);
     for b in 0..dims.batch {
         for h in 0..dims.heads_q {
             let hk = h / dims.group();
@@ -301,8 +356,22 @@ pub fn backward(
                     for (dvv, g) in dv[kv_row * dim_v..][..dim_v].iter_mut().zip(doi) {
                         *dvv += pz * g;
                     }
-                    // Softmax backward: dLogit = P ⊙ (dPz − rowsum(P ⊙ dPz)).
-                    let dlogit = pij * (dpz[j] - d_row);
+                    // Softmax backward: dLogit = P ⊙ (dPz − rowsum(P ⊙ dPz)), then through
+                    // the score function.
+                    let mut dlogit = pij * (dpz[j] - d_row);
+                    if let (Some(dp), Some(f)) = (d_params.as_mut(), &options.score_fn) {
+                        if dlogit != 0.0 {
+                            (f.params_grad)(
+                                dlogit,
+                                scores.unmodded[i * seq_kv + j],
+                                [b, h, i, j],
+                                dp,
+                            );
+                        }
+                    }
+                    if dlogit != 0.0 {
+                        dlogit *= scores.dlogit_dunmodded[i * seq_kv + j];
+                    }
                     if let (Some(db), Some(bias)) = (d_bias.as_mut(), options.bias.as_ref()) {
                         db[bias.index(b, h, i, j)] += dlogit;
                     }
@@ -318,7 +387,13 @@ pub fn backward(
             }
         }
     }
-    ReferenceBackward { dq, dk, dv, d_bias }
+    ReferenceBackward {
+        dq,
+        dk,
+        dv,
+        d_bias,
+        d_score_params: d_params,
+    }
 }
 
 fn check_lengths(dims: &Dims, q: &[f64], k: &[f64], v: &[f64]) {
@@ -348,8 +423,15 @@ mod tests {
         }
     }
 
+    /// The parameters of [`score_fn`] for `dims`.
+    fn score_params(rng: &mut StdRng, dims: &Dims) -> Vec<f64> {
+        let mut params = vec![2.5];
+        params.extend(randn(rng, dims.heads_q * 5).iter().map(|x| 0.3 * x));
+        params
+    }
+
     /// Every option at once, so the finite differences exercise every branch.
-    fn all_options(rng: &mut StdRng, dims: &Dims) -> ReferenceOptions {
+    fn all_options(rng: &mut StdRng, dims: &Dims, params: &[f64]) -> ReferenceOptions {
         let n = dims.batch * dims.heads_q * dims.seq_q * dims.seq_kv;
         ReferenceOptions {
             scale: Some(0.7),
@@ -377,6 +459,30 @@ mod tests {
                 },
                 p: 0.2,
             }),
+            score_fn: Some(score_fn(params.to_vec())),
+        }
+    }
+
+    /// A score function with parameters `[c, table[h_q][5]]`: `c · tanh((x + table[h][clip(j
+    /// − i)]) / c)`, hiding scores where `(i + j) % 7 = 3`.
+    fn score_fn(params: Vec<f64>) -> HostScoreFn {
+        let cell = |[_, h, i, j]: At| 1 + h * 5 + (j as i64 - i as i64).clamp(-2, 2) as usize + 2;
+        let inner = {
+            let params = params.clone();
+            move |x: f64, at: At| (x + params[cell(at)]) / params[0]
+        };
+        let (p1, i1, i2, i3) = (params.clone(), inner.clone(), inner.clone(), inner);
+        HostScoreFn {
+            score: Arc::new(move |x, at| p1[0] * i1(x, at).tanh()),
+            grad: Arc::new(move |x, at| 1.0 - i2(x, at).tanh().powi(2)),
+            visible: Arc::new(|[_, _, i, j]| (i + j) % 7 != 3),
+            params_grad: Arc::new(move |g, x, at, out| {
+                let u = i3(x, at);
+                let t = u.tanh();
+                out[0] += g * (t - u * (1.0 - t * t));
+                out[cell(at)] += g * (1.0 - t * t);
+            }),
+            params_len: params.len(),
         }
     }
 
@@ -404,7 +510,8 @@ mod tests {
         let seed = 7;
         let mut rng = StdRng::seed_from_u64(seed);
         let dims = dims();
-        let options = all_options(&mut rng, &dims);
+        let params = score_params(&mut rng, &dims);
+        let options = all_options(&mut rng, &dims, &params);
         let (q, k, v) = (
             randn(&mut rng, dims.q_len()),
             randn(&mut rng, dims.k_len()),
@@ -433,6 +540,18 @@ mod tests {
                 let mut v = v.clone();
                 v[i] += e;
                 loss(&dims, &options, &q, &k, &v, &g)
+            })
+        });
+        let d_params = grads.d_score_params.expect("the score function's gradient");
+        check_grad("d_score_params", &d_params, |i| {
+            central(&|e| {
+                let mut p = params.clone();
+                p[i] += e;
+                let o = ReferenceOptions {
+                    score_fn: Some(score_fn(p)),
+                    ..options.clone()
+                };
+                loss(&dims, &o, &q, &k, &v, &g)
             })
         });
         let d_bias = grads.d_bias.expect("bias gradient");

@@ -62,13 +62,17 @@ use crate::bias::ScoreTerms;
 use crate::softmax::MASKED;
 
 /// Where a score lies: batch (the sequence of a batch), query head, query row and key
-/// position (counted from the start of the sequence).
+/// position (counted from the start of their sequences), and the sequences' lengths (the
+/// masks align queries to the end of the keys: query `i` sits at key position
+/// `i + seq_kv − seq_q`).
 #[derive(CubeType, Clone, Copy)]
 pub struct ScorePosition {
     pub batch: usize,
     pub head: usize,
     pub query: usize,
     pub key: usize,
+    pub seq_q: usize,
+    pub seq_kv: usize,
 }
 
 /// A score function and mask, written with `#[cube]` methods (see the [module](self)).
@@ -124,7 +128,7 @@ type Expand<T> = <T as CubeType>::ExpandType;
 
 /// A [`ScoreMod`] behind a pointer: the kernels' expansion calls it without being generic
 /// over the function.
-trait ExpandScoreMod: Send + Sync {
+trait ExpandScoreMod: Send + Sync + std::panic::RefUnwindSafe {
     fn id(&self) -> TypeId;
     fn name(&self) -> &'static str;
     fn score(
@@ -256,8 +260,8 @@ impl fmt::Debug for ScoreFn {
 pub struct ScoreCall {
     batch: usize,
     head: usize,
-    last_q: usize,
-    last_kv: usize,
+    seq_q: usize,
+    seq_kv: usize,
 }
 
 #[cube]
@@ -267,8 +271,8 @@ impl ScoreCall {
         ScoreCall {
             batch,
             head,
-            last_q: seq_q - 1,
-            last_kv: seq_kv - 1,
+            seq_q,
+            seq_kv,
         }
     }
 
@@ -277,8 +281,10 @@ impl ScoreCall {
         ScorePosition {
             batch: self.batch,
             head: self.head,
-            query: min(query, self.last_q),
-            key: min(key, self.last_kv),
+            query: min(query, self.seq_q - 1),
+            key: min(key, self.seq_kv - 1),
+            seq_q: self.seq_q,
+            seq_kv: self.seq_kv,
         }
     }
 
@@ -346,12 +352,7 @@ impl ScoreCall {
 
 /// `f(x)` at `at`, or [`MASKED`] where `f` hides the score or `x` is already hidden.
 #[cube]
-pub fn modded(
-    x: f32,
-    at: &ScorePosition,
-    params: &Tensor<f32>,
-    #[comptime] f: ScoreFn,
-) -> f32 {
+pub fn modded(x: f32, at: &ScorePosition, params: &Tensor<f32>, #[comptime] f: ScoreFn) -> f32 {
     let y = call_score(x, at, params, f);
     let visible = call_visible(at, params, f);
     select(visible && x > f32::new(MASKED), y, f32::new(MASKED))
