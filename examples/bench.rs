@@ -26,8 +26,10 @@
 //!
 //! `--terms` adds terms to the scores of the runs of ours (the others do not take them):
 //! `alibi` (ALiBi slopes `2^(−8(h+1)/H)`), `relpos` (a trained relative-position table
-//! `[h, 2s − 1]` gathered into a `[1, h, s, s]` bias inside the timed call, as a user would,
-//! its gradient through the gather), `bias` (a fixed `[1, h, s, s]` bias), `window` (a
+//! `[h, 2s − 1]` read at `i − j + s − 1` by a score function compiled into the kernels, its
+//! gradient added up by the backward), `relpos-select` (the same table gathered into a
+//! `[1, h, s, s]` bias inside the timed call with Burn ops, its gradient through the
+//! gather), `bias` (a fixed `[1, h, s, s]` bias), `window` (a
 //! sliding window of `--window` keys to the left, with FLOPs counted over the visible pairs
 //! only, as for any mask other than causal).
 //!
@@ -58,6 +60,43 @@ use burn_flash_attention::{
 };
 use clap::Parser;
 use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// The score function of `--terms relpos`: CubeCL code, where `Tensor` is CubeCL's.
+mod relpos {
+    use burn_flash_attention::kernels::score_mod::{ScoreMod, ScorePosition, add_grad};
+    use cubecl::prelude::*;
+
+    /// `score + table[head, i − j + s_kv − 1]`, `table` `[heads, s_q + s_kv − 1]`.
+    pub struct RelativePositionTable;
+
+    #[cube]
+    impl ScoreMod for RelativePositionTable {
+        fn score(score: f32, at: &ScorePosition, table: &Tensor<f32>) -> f32 {
+            score + table[cell(at, table)]
+        }
+        fn score_grad(_score: f32, _modded: f32, _at: &ScorePosition, _table: &Tensor<f32>) -> f32 {
+            1.0
+        }
+        fn params_grad(
+            grad: f32,
+            _score: f32,
+            _modded: f32,
+            at: &ScorePosition,
+            table: &Tensor<f32>,
+            grads: &mut Tensor<Atomic<u32>>,
+        ) {
+            add_grad(grads, cell(at, table), grad);
+        }
+        fn visible(_at: &ScorePosition, _table: &Tensor<f32>) -> bool {
+            true
+        }
+    }
+
+    #[cube]
+    fn cell(at: &ScorePosition, table: &Tensor<f32>) -> usize {
+        at.head * table.stride(0) + at.query + at.seq_kv - 1 - at.key
+    }
+}
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -104,8 +143,8 @@ struct Args {
     /// Sequences of mixed lengths (see the module docs).
     #[arg(long)]
     mixed: bool,
-    /// Terms on the scores (see the module docs): none, alibi, relpos, bias, window,
-    /// documents, prefix, sparse.
+    /// Terms on the scores (see the module docs): none, alibi, relpos, relpos-select, bias,
+    /// window, documents, prefix, sparse.
     #[arg(long, default_value = "none")]
     terms: String,
     /// Keys to the left of the diagonal with `--terms window`.
@@ -487,6 +526,13 @@ fn main() {
                             "relpos" => {
                                 // Under autodiff the table is the tracked one (see below).
                                 let table = trained_table.clone().unwrap_or_else(|| table.clone());
+                                let terms = AttentionBias::new()
+                                    .with_score_mod::<relpos::RelativePositionTable>()
+                                    .with_score_params(table);
+                                flash_attention_biased(q, k, v, terms, opts)
+                            }
+                            "relpos-select" => {
+                                let table = trained_table.clone().unwrap_or_else(|| table.clone());
                                 let bias = table.select(1, offsets.clone()).reshape([1, h, s, s]);
                                 let terms = AttentionBias::new().with_bias(bias);
                                 flash_attention_biased(q, k, v, terms, opts)
@@ -518,8 +564,10 @@ fn main() {
                     k.clone().autodiff().require_grad(),
                     v.clone().autodiff().require_grad(),
                 );
-                let trained =
-                    (args.terms == "relpos").then(|| table.clone().autodiff().require_grad());
+                let trained = args
+                    .terms
+                    .starts_with("relpos")
+                    .then(|| table.clone().autodiff().require_grad());
                 measure(&dev, &client, args.seconds, || {
                     let o = forward(qa.clone(), ka.clone(), va.clone(), trained.clone());
                     let grads = o.backward();

@@ -59,6 +59,7 @@ use cubecl::intrinsic;
 use cubecl::prelude::*;
 
 use crate::bias::ScoreTerms;
+use crate::mma_sync::Pair;
 use crate::softmax::MASKED;
 
 /// Where a score lies: batch (the sequence of a batch), query head, query row and key
@@ -392,4 +393,162 @@ fn call_score(x: f32, at: &ScorePosition, params: &Tensor<f32>, #[comptime] f: S
 #[cube]
 fn call_visible(at: &ScorePosition, params: &Tensor<f32>, #[comptime] f: ScoreFn) -> bool {
     intrinsic!(|scope| f.0.visible(scope, at, params))
+}
+
+/// Positions of the lane's elements in accumulator tiles side by side (the layout of
+/// [`crate::mma_sync::hide_columns`]): pair `2 · (first + n) + half`, element `e`, is
+/// position `p0 + 8n + 2 · (lane % 4) + e` along a line of scores, which runs along the keys
+/// of query `fixed` or, with `by_key`, along the queries of key `fixed`.
+#[derive(CubeType, Clone, Copy)]
+pub struct ColumnLine {
+    fixed: usize,
+    p0: usize,
+}
+
+#[cube]
+impl ColumnLine {
+    pub fn new(fixed: usize, p0: usize) -> ColumnLine {
+        ColumnLine {
+            fixed,
+            p0: p0 + 2 * (UNIT_POS_PLANE as usize % 4),
+        }
+    }
+
+    /// `(query, key)` of element `e` of tile `n`.
+    fn at(&self, call: &ScoreCall, n: usize, e: usize, #[comptime] by_key: bool) -> ScorePosition {
+        let p = self.p0 + 8 * n + e;
+        let mut query = self.fixed;
+        let mut key = p;
+        if comptime!(by_key) {
+            query = p;
+            key = self.fixed;
+        }
+        call.at(query, key)
+    }
+}
+
+/// `x` (in units of `unit` per natural-log unit) through `f` at `at`, in the same units; a
+/// hidden score gives [`MASKED`].
+#[cube]
+fn modded_in_units(
+    x: f32,
+    unit: f32,
+    at: &ScorePosition,
+    params: &Tensor<f32>,
+    #[comptime] f: ScoreFn,
+) -> f32 {
+    let y = modded(x / unit, at, params, f);
+    select(y > f32::new(MASKED), y * unit, f32::new(MASKED))
+}
+
+/// `f` on one line's scores in the lane's accumulator tiles (see [`ColumnLine`]), in units
+/// of `unit` per natural-log unit: the forward's form.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn modify_columns(
+    acc: &mut Array<Pair<f32>>,
+    first: usize,
+    #[comptime] tiles: usize,
+    half: usize,
+    line: &ColumnLine,
+    call: &ScoreCall,
+    params: &Tensor<f32>,
+    unit: f32,
+    #[comptime] by_key: bool,
+    #[comptime] f: ScoreFn,
+) {
+    #[unroll]
+    for n in 0..tiles {
+        let at = 2 * (first + n) + half;
+        let mut pair = acc[at];
+        #[unroll]
+        for e in 0..2usize {
+            let position = line.at(call, n, e, by_key);
+            pair.insert(
+                e,
+                modded_in_units(pair.extract(e), unit, &position, params, f),
+            );
+        }
+        acc[at] = pair;
+    }
+}
+
+/// [`modify_columns`] for the backward: `acc` holds `x` and gets `f(x)`; `slopes` gets
+/// `f′(x)` and, where `unmodded` is kept (`keep_x`), `unmodded` gets `x`, as the
+/// parameters' gradient needs it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn modify_columns_with_slopes(
+    acc: &mut Array<Pair<f32>>,
+    slopes: &mut Array<Pair<f32>>,
+    unmodded: &mut Array<Pair<f32>>,
+    first: usize,
+    #[comptime] tiles: usize,
+    half: usize,
+    line: &ColumnLine,
+    call: &ScoreCall,
+    params: &Tensor<f32>,
+    unit: f32,
+    #[comptime] by_key: bool,
+    #[comptime] keep_x: bool,
+    #[comptime] f: ScoreFn,
+) {
+    #[unroll]
+    for n in 0..tiles {
+        let at = 2 * (first + n) + half;
+        let mut pair = acc[at];
+        let mut slope_pair = slopes[at];
+        let mut x_pair = pair;
+        #[unroll]
+        for e in 0..2usize {
+            let position = line.at(call, n, e, by_key);
+            let x = pair.extract(e);
+            let y = modded_in_units(x, unit, &position, params, f);
+            let slope = modded_grad(x / unit, y / unit, &position, params, f);
+            pair.insert(e, y);
+            // A hidden score's slope is never read (its dS is 0), but must not be NaN.
+            slope_pair.insert(e, select(y > f32::new(MASKED), slope, 0.0));
+            x_pair.insert(e, x);
+        }
+        acc[at] = pair;
+        slopes[at] = slope_pair;
+        if comptime!(keep_x) {
+            unmodded[at] = x_pair;
+        }
+    }
+}
+
+/// Adds the parameters' gradient at the lane's elements of one line (see [`ColumnLine`])
+/// whose position is in the sequences, for `dS = p ⊙ dp_minus_d` with respect to `f(x)`,
+/// `x` in `unmodded` in units of `unit` per natural-log unit.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn add_params_grad_columns(
+    p: &Array<Pair<f32>>,
+    dp_minus_d: &Array<Pair<f32>>,
+    unmodded: &Array<Pair<f32>>,
+    #[comptime] tiles: usize,
+    half: usize,
+    line: &ColumnLine,
+    call: &ScoreCall,
+    params: &Tensor<f32>,
+    grads: &mut Tensor<Atomic<u32>>,
+    unit: f32,
+    #[comptime] f: ScoreFn,
+) {
+    #[unroll]
+    for n in 0..tiles {
+        let at = 2 * n + half;
+        #[unroll]
+        for e in 0..2usize {
+            let ds = p[at].extract(e) * dp_minus_d[at].extract(e);
+            let position = line.at(call, n, e, false);
+            let in_sequences = line.p0 + 8 * n + e < call.seq_kv && line.fixed < call.seq_q;
+            if ds != 0.0 && in_sequences {
+                let x = unmodded[at].extract(e) / unit;
+                let y = modded(x, &position, params, f);
+                modded_params_grad(ds, x, y, &position, params, grads, f);
+            }
+        }
+    }
 }

@@ -553,12 +553,6 @@ fn kernels(
     };
     let elem = problem.dtype.elem_type();
     let err = |e: crate::FlashError| e.to_string();
-    // Score functions run on the `cmma` and portable kernels only.
-    let register_terms = ScoreTerms {
-        score_mod: None,
-        score_params_grad: false,
-        ..terms
-    };
     let mut kernels: Vec<(&'static str, KernelResult)> = Vec::new();
 
     kernels.push((
@@ -909,9 +903,10 @@ fn kernels(
                         dropout_args(),
                         tensor(),
                         view_layout(),
+                        tensor(),
                         c,
                         packed,
-                        register_terms,
+                        terms,
                         elem,
                     )) as Box<dyn CubeKernel>
                 }),
@@ -983,10 +978,11 @@ fn kernels(
                                 dropout_args(),
                                 tensor(),
                                 view_layout(),
+                                tensor(),
                                 c,
                                 gradients,
                                 packed,
-                                register_terms,
+                                terms,
                                 elem,
                             ),
                         )),
@@ -1045,9 +1041,11 @@ fn kernels(
                         tensor(),
                         view_layout(),
                         tensor(),
+                        tensor(),
+                        tensor(),
                         c,
                         packed,
-                        register_terms,
+                        terms,
                         elem,
                     ))),
                 ));

@@ -41,6 +41,7 @@ use crate::mma_sync::{
     load_b_transposed, mma, store_pair, store_row, zeros,
 };
 use crate::problem::FloatDtype;
+use crate::score_mod::{ColumnLine, ScoreCall, modify_columns_with_slopes};
 use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{RowLayout, SharedLayout, stage_rows_async, stage_vectors_async};
@@ -89,6 +90,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     dropout: DropoutArgs,
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
+    score_params: &Tensor<f32>,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] gradients: KeyGradients,
     #[comptime] packed: bool,
@@ -437,8 +439,12 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         // sequence end. With score terms, the logits (base 2, terms added) go to an
         // array of their own: the softcap's derivative reads the capped score without them.
         let mut logits = zeros(comptime!(if terms.any() { 2 * s_tiles } else { 1 }));
+        // With a score function, its derivative at each score.
+        let with_fn = comptime!(terms.score_mod.is_some());
+        let mut fn_slopes = zeros(comptime!(if with_fn { 2 * s_tiles } else { 1 }));
         if comptime!(terms.any()) {
             let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
+            let call = ScoreCall::new(batch, head_q, seq_q, seq_kv);
             base2_scores(
                 &s_acc,
                 &mut logits,
@@ -473,6 +479,25 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     LOG2_E,
                     terms,
                 );
+                if comptime!(with_fn) {
+                    // The function's input is kept by the dQ kernel alone.
+                    let mut no_input = zeros(1usize);
+                    modify_columns_with_slopes(
+                        &mut logits,
+                        &mut fn_slopes,
+                        &mut no_input,
+                        0,
+                        s_tiles,
+                        half,
+                        &ColumnLine::new(key, p0),
+                        &call,
+                        score_params,
+                        LOG2_E,
+                        true,
+                        false,
+                        comptime!(terms.score_mod.unwrap()),
+                    );
+                }
             }
         }
         #[unroll]
@@ -509,6 +534,9 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     }
                     p_pair.insert(e, exp2_approx(logit - lse));
                     // (dPᵀ − D) · dS/d(q·k), times Pᵀ once the mask has been applied.
+                    if comptime!(with_fn) {
+                        grad *= fn_slopes[at].extract(e);
+                    }
                     if comptime!(with_dk) {
                         ds_pair.insert(e, (ds_pair.extract(e) - delta) * grad);
                     }

@@ -31,6 +31,9 @@ use crate::mma_sync::{
     load_b_transposed, mma, store_row, zeros,
 };
 use crate::problem::FloatDtype;
+use crate::score_mod::{
+    ColumnLine, ScoreCall, add_params_grad_columns, modify_columns_with_slopes,
+};
 use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
@@ -72,6 +75,8 @@ pub fn flash_backward_dq_mma<F: Float>(
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
     dbias: &mut Tensor<Atomic<u32>>,
+    score_params: &Tensor<f32>,
+    score_grads: &mut Tensor<Atomic<u32>>,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -169,6 +174,7 @@ pub fn flash_backward_dq_mma<F: Float>(
         }
     }
 
+    let call = ScoreCall::new(batch, head.head_q, seq_q, seq_kv);
     let mut dq_acc = zeros(comptime!(2 * dq_tiles));
     let mut s_acc = zeros(comptime!(2 * s_tiles));
     let mut dp_acc = zeros(comptime!(2 * s_tiles));
@@ -384,6 +390,15 @@ pub fn flash_backward_dq_mma<F: Float>(
         // it holds that derivative.
         let k0_u = usize::cast_from(k0);
         let mut logits = zeros(comptime!(if terms.any() { 2 * s_tiles } else { 1 }));
+        // With a score function: its derivative at each score and, for its parameters'
+        // gradient, its input.
+        let with_fn = comptime!(terms.score_mod.is_some());
+        let mut fn_slopes = zeros(comptime!(if with_fn { 2 * s_tiles } else { 1 }));
+        let mut unmodded = zeros(comptime!(if terms.score_params_grad {
+            2 * s_tiles
+        } else {
+            1
+        }));
         if comptime!(terms.any()) {
             base2_scores(
                 &s_acc,
@@ -408,6 +423,24 @@ pub fn flash_backward_dq_mma<F: Float>(
                     LOG2_E,
                     terms,
                 );
+                if comptime!(with_fn) {
+                    let row = q_begin + plane_row + group + 8 * half;
+                    modify_columns_with_slopes(
+                        &mut logits,
+                        &mut fn_slopes,
+                        &mut unmodded,
+                        0,
+                        s_tiles,
+                        half,
+                        &ColumnLine::new(row, k0_u),
+                        &call,
+                        score_params,
+                        LOG2_E,
+                        false,
+                        terms.score_params_grad,
+                        comptime!(terms.score_mod.unwrap()),
+                    );
+                }
             }
         }
         #[unroll]
@@ -475,7 +508,33 @@ pub fn flash_backward_dq_mma<F: Float>(
             }
         }
         // With terms, `dp_acc` holds `dP − D` and `logits` the softcap's derivative: the
-        // bias's gradient is `P ⊙ (dP − D)`.
+        // score function's parameters' gradient is `P ⊙ (dP − D)`, the bias's that times
+        // the function's derivative.
+        if comptime!(with_fn) {
+            if comptime!(terms.score_params_grad) {
+                #[unroll]
+                for half in 0..2usize {
+                    let row = q_begin + plane_row + group + 8 * half;
+                    add_params_grad_columns(
+                        &s_acc,
+                        &dp_acc,
+                        &unmodded,
+                        s_tiles,
+                        half,
+                        &ColumnLine::new(row, k0_u),
+                        &call,
+                        score_params,
+                        score_grads,
+                        LOG2_E,
+                        comptime!(terms.score_mod.unwrap()),
+                    );
+                }
+            }
+            #[unroll]
+            for i in 0..comptime!(2 * s_tiles) {
+                dp_acc[i] = dp_acc[i] * fn_slopes[i];
+            }
+        }
         if comptime!(terms.bias_grad) {
             #[unroll]
             for half in 0..2usize {

@@ -376,17 +376,14 @@ fn launch(
     let (cu_q, cu_kv) = cu_seqlens(packed, lse);
     let is_packed = packed.is_some();
     let limits = DeviceLimits::from_properties(client.properties());
-    // The bias's gradient is written by the dQ kernels: no dQ folded into dK/dV by atomics.
-    problem.options.deterministic |= terms.bias_grad;
+    // The terms' gradients are written by the dQ kernels: no dQ folded into dK/dV by
+    // atomics.
+    problem.options.deterministic |= terms.bias_grad || terms.score_params_grad;
     let mut plan = plan(path, &problem, &limits, [q, k, v, d_out])?;
     // The register-level dK/dV kernel walks one list of query blocks for every query head of
     // a group: a block mask that differs between a group's heads takes the `cmma` kernels.
     let per_head_mask = bias.block_mask.is_some_and(|m| m.layout.shape[1] > 1);
     if matches!(plan, Plan::RegisterMma(_)) && per_head_mask && problem.group_size() > 1 {
-        plan = Plan::TensorCore;
-    }
-    // Score functions are compiled into the `cmma` and portable kernels only.
-    if matches!(plan, Plan::RegisterMma(_)) && terms.score_mod.is_some() {
         plan = Plan::TensorCore;
     }
     if let (Plan::Portable { dq, .. }, true) = (&plan, terms.bias_grad_sums) {
@@ -488,6 +485,7 @@ fn launch(
                         problem.dropout_args(),
                         block_words.arg(),
                         by_key.arg(),
+                        params.arg(),
                         warpgroup_only_for(config, "dkdv"),
                         gradients,
                         is_packed,
@@ -544,6 +542,8 @@ fn launch(
                     block_words.arg(),
                     by_query.arg(),
                     dbias.arg(),
+                    params.arg(),
+                    dparams.arg(),
                     warpgroup_only_for(config, "dq"),
                     is_packed,
                     terms,

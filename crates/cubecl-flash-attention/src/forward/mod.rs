@@ -241,12 +241,7 @@ fn launch(
     let (block_words, block_view) = bias.block_args(lse, false);
     let [bias, slopes, params] = bias.args(q, lse);
     let terms = terms.with_dropout_of(&problem);
-    let mut plan = plan(path, &problem, &limits, [q, k, v])?;
-    // Score functions are compiled into the `cmma` and portable kernels only.
-    if matches!(plan, Plan::RegisterMma(_)) && terms.score_mod.is_some() {
-        plan = Plan::TensorCore;
-    }
-    match plan {
+    match plan(path, &problem, &limits, [q, k, v])? {
         Plan::RegisterMma(config) => {
             if let Some(blocks) = terms.block_mask {
                 blocks.check_tiles(config.block_rows(), config.block_kv)?;
@@ -286,6 +281,7 @@ fn launch(
                     problem.dropout_args(),
                     block_words.arg(),
                     block_view.arg(),
+                    params.arg(),
                     config,
                     is_packed,
                     terms,

@@ -36,6 +36,7 @@ use crate::mma_sync::{
     load_b_transposed, mma, store_row, zeros,
 };
 use crate::problem::FloatDtype;
+use crate::score_mod::{ColumnLine, ScoreCall, modify_columns};
 use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
 use crate::tile::{Head, RowLayout, SharedLayout, last_first, stage_rows_async};
@@ -73,6 +74,7 @@ pub fn flash_forward_mma<F: Float>(
     dropout: DropoutArgs,
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
+    score_params: &Tensor<f32>,
     #[comptime] config: RegisterMmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
@@ -434,6 +436,27 @@ pub fn flash_forward_mma<F: Float>(
                     bias,
                     terms_unit,
                     terms,
+                );
+            }
+        }
+        if comptime!(terms.score_mod.is_some()) {
+            let call = ScoreCall::new(sequence.batch, head.head_q, seq_q, seq_kv);
+            #[unroll]
+            for r in 0..comptime!(2 * m_tiles) {
+                let (t, half) = (r / 2, r % 2);
+                let row = q_begin + plane_row + t * FRAGMENT + group + 8 * half;
+                let line = ColumnLine::new(row, usize::cast_from(k0));
+                modify_columns(
+                    &mut s_acc,
+                    t * s_tiles,
+                    s_tiles,
+                    half,
+                    &line,
+                    &call,
+                    score_params,
+                    terms_unit,
+                    false,
+                    comptime!(terms.score_mod.unwrap()),
                 );
             }
         }
