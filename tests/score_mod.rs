@@ -283,7 +283,8 @@ struct FnCase {
 }
 
 /// Small problems (lavapipe runs them in CI): s_q ≠ s_kv both ways, GQA and MQA, causal and
-/// window, the built-in softcap under the function, rows the function hides completely.
+/// window, the built-in softcap under the function, rows the function hides completely;
+/// head dims of the `mma.sync` kernels and of the warpgroup products (64, 128).
 fn cases() -> Vec<FnCase> {
     vec![
         FnCase {
@@ -308,14 +309,14 @@ fn cases() -> Vec<FnCase> {
         FnCase {
             case: Case {
                 causal: true,
-                ..case(dims(2, 2, 2, 29, 40, 32, 32))
+                ..case(dims(2, 2, 2, 29, 40, 64, 64))
             },
             function: Function::Documents,
             learn: false,
             bias: false,
         },
         FnCase {
-            case: case(dims(1, 2, 1, 33, 33, 16, 16)),
+            case: case(dims(1, 2, 1, 33, 33, 128, 128)),
             function: Function::LearnedAlibi,
             learn: true,
             bias: false,
@@ -326,6 +327,9 @@ fn cases() -> Vec<FnCase> {
 /// Forward and backward of `t` on `path` (outputs poisoned first) against the oracle.
 fn check(client: &Client, t: &FnCase, dtype: FloatDtype, path: KernelPath) {
     let d = t.case.dims;
+    if path == KernelPath::RegisterMma && !(d.dim_qk % 8 == 0 && d.dim_v % 8 == 0) {
+        return;
+    }
     let (seed, mut rng) = common::rng();
     let context = format!("seed {seed} (FLASH_SEED={seed} reproduces), {path:?}, {dtype:?}, {t:?}");
     let x: Vec<Vec<f64>> = [d.q_len(), d.k_len(), d.v_len(), d.o_len()]
