@@ -9,7 +9,7 @@ use burn::tensor::DType;
 use burn_flash_attention::kernels::reference::{self, At, HostScoreFn};
 use burn_flash_attention::kernels::score_mod::{ScoreFn, ScoreMod, ScorePosition, add_grad};
 use burn_flash_attention::kernels::{
-    BlockMask, BlockShape, FloatDtype, KernelPath, ScoreBias, TermsGrad,
+    BlockMask, BlockShape, DeviceTensor, FloatDtype, KernelPath, ScoreBias, TermsGrad,
     backward::{Saved, backward_biased},
     forward::forward_biased,
 };
@@ -324,6 +324,29 @@ fn cases() -> Vec<FnCase> {
     ]
 }
 
+/// `[rows, cols]` f32 data in rows of `cols + 3` elements, viewed back through strides.
+fn upload_pitched(client: &Client, data: &[f64], [rows, cols]: [usize; 2]) -> DeviceTensor {
+    let pitch = cols + 3;
+    let mut padded = vec![f64::NAN; rows * pitch];
+    for (n, &x) in data.iter().enumerate() {
+        padded[(n / cols) * pitch + n % cols] = x;
+    }
+    let mut t = upload(client, &padded, &[rows, pitch], FloatDtype::F32);
+    t.shape = vec![rows, cols];
+    t.strides = vec![pitch, 1];
+    t
+}
+
+/// An f32 `[rows, cols]` tensor of any strides, read back in row-major order.
+fn download_strided(client: &Client, t: &DeviceTensor) -> Vec<f64> {
+    let bytes = client.read_one(t.handle.clone()).expect("read back");
+    let all = common::from_bytes(&bytes, FloatDtype::F32);
+    let [rows, cols] = [t.shape[0], t.shape[1]];
+    (0..rows * cols)
+        .map(|n| all[(n / cols) * t.strides[0] + (n % cols) * t.strides[1]])
+        .collect()
+}
+
 /// Forward and backward of `t` on `path` (outputs poisoned first) against the oracle.
 fn check(client: &Client, t: &FnCase, dtype: FloatDtype, path: KernelPath) {
     let d = t.case.dims;
@@ -352,7 +375,9 @@ fn check(client: &Client, t: &FnCase, dtype: FloatDtype, path: KernelPath) {
     let v = upload(client, &x[2], &vs, dtype);
     let d_out = upload(client, &x[3], &os, dtype);
     let bias = bias_data.as_ref().map(|b| upload(client, b, &full, dtype));
-    let params_t = upload(client, &params, &params_shape, FloatDtype::F32);
+    // The parameters in rows longer than theirs, as a pitched device allocation lays them
+    // out: the function indexes them, and their gradient, through the strides.
+    let params_t = upload_pitched(client, &params, params_shape);
     let terms = ScoreBias {
         bias: bias.as_ref(),
         score_mod: Some(t.function.score_fn()),
@@ -444,7 +469,11 @@ fn check(client: &Client, t: &FnCase, dtype: FloatDtype, path: KernelPath) {
     }
     match (t.learn, &of_terms.score_params) {
         (true, Some(dp)) => {
-            let got = download(client, dp, FloatDtype::F32);
+            assert_eq!(
+                dp.strides, params_t.strides,
+                "the gradient's layout — {context}"
+            );
+            let got = download_strided(client, dp);
             let want = want_grads
                 .d_score_params
                 .as_ref()

@@ -3,6 +3,7 @@
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape};
 use burn_cubecl::cubecl::client::Client;
+use burn_cubecl::cubecl::zspace::metadata::Metadata;
 use burn_cubecl::{
     CubeBackend,
     kernel::{cast, into_contiguous},
@@ -221,8 +222,15 @@ impl FlashAttentionOps for CubeBackend {
             Some(d) => cast(cube_tensor(&bias_tensor, d, DType::F32), bias_tensor.dtype),
             None => bias_tensor,
         };
+        // The parameters' gradient comes in their layout (the function indexes both alike).
         let dparams = match terms_grads.score_params {
-            Some(d) => cube_tensor(&params_tensor, d, DType::F32),
+            Some(d) => CubeTensor::new(
+                params_tensor.client.clone(),
+                d.handle,
+                Metadata::new(d.shape, d.strides),
+                params_tensor.device.clone(),
+                DType::F32,
+            ),
             None => params_tensor,
         };
         (dq, dk, dv, dbias, dparams)

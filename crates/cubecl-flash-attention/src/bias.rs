@@ -85,8 +85,8 @@ pub struct ScoreBias<'a> {
     pub block_mask: Option<&'a DeviceBlockMask>,
     /// A score function ([`crate::score_mod`]).
     pub score_mod: Option<ScoreFn>,
-    /// The score function's parameters, f32, any shape (contiguous where their gradient is
-    /// asked for, which comes in the same shape).
+    /// The score function's parameters, f32, any shape and strides (their gradient comes
+    /// in the same layout, so that the function indexes both alike).
     pub score_params: Option<&'a DeviceTensor>,
 }
 
@@ -196,20 +196,10 @@ impl ScoreBias<'_> {
             });
         }
         if grad.score_params {
-            let Some(params) = self.score_params.filter(|_| self.score_mod.is_some()) else {
+            if self.score_params.is_none() || self.score_mod.is_none() {
                 return Err(FlashError::Option {
                     arg: "score_params_grad",
                     expected: "a score function and its parameters to differentiate".into(),
-                });
-            };
-            if !params.is_contiguous() {
-                return Err(FlashError::Option {
-                    arg: "score_params",
-                    expected: format!(
-                        "contiguous parameters where their gradient is asked for, got strides \
-                         {:?} for shape {:?}",
-                        params.strides, params.shape
-                    ),
                 });
             }
             if problem.options.deterministic {

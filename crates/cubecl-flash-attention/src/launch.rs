@@ -43,6 +43,20 @@ impl DeviceTensor {
         }
     }
 
+    /// f32 zeros laid out as `like` (its shape and strides, over a buffer of its span).
+    pub fn zeros_f32_like(client: &Client, like: &DeviceTensor) -> Self {
+        let filled = cubecl::std::tensor::TensorHandle::zeros(
+            client,
+            vec![like.span() + 1],
+            FloatDtype::F32.elem_type(),
+        );
+        Self {
+            handle: filled.handle,
+            shape: like.shape.clone(),
+            strides: like.strides.clone(),
+        }
+    }
+
     /// Uploads host data as a contiguous tensor.
     pub fn from_bytes(client: &Client, shape: &[usize], bytes: &[u8]) -> Self {
         Self {
@@ -69,11 +83,6 @@ impl DeviceTensor {
         let strides: Vec<usize> = self.strides.iter().map(|s| s / vector).collect();
         let [batch, head, row, seq] = row_layout_parts(arg, &self.shape, &strides)?;
         Ok(RowLayoutLaunch::new(batch, head, row, seq))
-    }
-
-    /// Whether the tensor is row-major with no gaps.
-    pub fn is_contiguous(&self) -> bool {
-        self.strides == contiguous_strides(&self.shape)
     }
 
     /// Elements from the first to the last one the tensor addresses, inclusive.

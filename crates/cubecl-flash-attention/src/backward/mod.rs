@@ -87,12 +87,13 @@ pub fn backward(
     backward_biased(client, saved, d_out, none, no_grad, dtype, options, path).map(|(g, _)| g)
 }
 
-/// The gradients of the score terms [`backward_biased`] computes, in f32 (contiguous).
+/// The gradients of the score terms [`backward_biased`] computes, in f32.
 #[derive(Clone, Debug, Default)]
 pub struct TermsGradients {
-    /// `d(bias)` in the bias's shape, summed over the dimensions where the bias broadcasts.
+    /// `d(bias)` in the bias's shape (contiguous), summed over the dimensions where the bias
+    /// broadcasts.
     pub bias: Option<DeviceTensor>,
-    /// The gradient of the score function's parameters, in their shape.
+    /// The gradient of the score function's parameters, in their shape and strides.
     pub score_params: Option<DeviceTensor>,
 }
 
@@ -117,7 +118,7 @@ pub fn backward_biased(
     let dparams = bias
         .score_params
         .filter(|_| terms.score_params_grad)
-        .map(zeros_like);
+        .map(|p| DeviceTensor::zeros_f32_like(client, p));
     if problem.is_empty() || problem.seq_kv == 0 {
         let shapes = [&q.shape[..], &k.shape[..], &v.shape[..]];
         let terms_grads = TermsGradients {
