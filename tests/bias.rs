@@ -415,25 +415,12 @@ fn check(client: &Client, t: &TermsCase, dtype: FloatDtype, path: KernelPath) {
         ),
     }
     // Rows the terms hide completely: O = 0, LSE = −∞ and dQ = 0 exactly, never NaN.
-    for (row, &l) in want.lse.iter().enumerate() {
-        if l == f64::NEG_INFINITY {
-            assert_eq!(
-                got_lse[row],
-                f64::NEG_INFINITY,
-                "LSE of hidden row {row} — {context}"
-            );
-            let o = &got_out[row * d.dim_v..][..d.dim_v];
-            assert!(
-                o.iter().all(|&x| x == 0.0),
-                "O of hidden row {row}: {o:?} — {context}"
-            );
-            let dq = &got_dq[row * d.dim_qk..][..d.dim_qk];
-            assert!(
-                dq.iter().all(|&x| x == 0.0),
-                "dQ of hidden row {row}: {dq:?} — {context}"
-            );
-        }
-    }
+    common::assert_hidden_rows(
+        &want.lse,
+        [&got_lse, &got_out, &got_dq],
+        [d.dim_v, d.dim_qk],
+        &context,
+    );
     eprintln!("{path:?} {dtype:?} {t:?}: ok");
 }
 

@@ -473,6 +473,35 @@ pub fn assert_close(
     );
 }
 
+/// Rows the reference hides completely (`LSE = −∞`) came back exactly `O = 0`,
+/// `LSE = −∞` and `dQ = 0`, never NaN.
+pub fn assert_hidden_rows(
+    want_lse: &[f64],
+    [got_lse, got_out, got_dq]: [&[f64]; 3],
+    [dim_v, dim_qk]: [usize; 2],
+    context: &str,
+) {
+    for (row, &l) in want_lse.iter().enumerate() {
+        if l == f64::NEG_INFINITY {
+            assert_eq!(
+                got_lse[row],
+                f64::NEG_INFINITY,
+                "LSE of hidden row {row} — {context}"
+            );
+            let o = &got_out[row * dim_v..][..dim_v];
+            assert!(
+                o.iter().all(|&x| x == 0.0),
+                "O of hidden row {row}: {o:?} — {context}"
+            );
+            let dq = &got_dq[row * dim_qk..][..dim_qk];
+            assert!(
+                dq.iter().all(|&x| x == 0.0),
+                "dQ of hidden row {row}: {dq:?} — {context}"
+            );
+        }
+    }
+}
+
 /// Device memory in use once the queued work is done (CubeCL's memory report).
 pub fn bytes_in_use(client: &Client) -> u64 {
     cubecl::future::block_on(client.sync()).expect("device synced");

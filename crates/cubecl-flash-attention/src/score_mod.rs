@@ -45,6 +45,7 @@
 //!     let distance = clamp(i32::cast_from(at.key) - i32::cast_from(at.query), -64, 64);
 //!     at.head * params.stride(0) + usize::cast_from(distance + 64)
 //! }
+//! # fn main() {}
 //! ```
 //!
 //! The function is a type; [`ScoreFn::of`] names it to the kernels, which compile once per
@@ -325,6 +326,28 @@ impl ScoreCall {
             dx = select(ds == 0.0, 0.0, ds * slope);
         }
         dx
+    }
+
+    /// The dQ kernels' step: from `ds = dL/dy` at `(query, key)`, adds the parameters'
+    /// gradient where `terms` asks for it and the score `counts` (visible, in the
+    /// sequences), and returns `dL/dx` ([`ScoreCall::grad`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        ds: f32,
+        x: f32,
+        y: f32,
+        query: usize,
+        key: usize,
+        counts: bool,
+        params: &Tensor<f32>,
+        grads: &mut Tensor<Atomic<u32>>,
+        #[comptime] terms: ScoreTerms,
+    ) -> f32 {
+        if counts {
+            self.add_params_grad(ds, x, y, query, key, params, grads, terms);
+        }
+        self.grad(ds, x, y, query, key, params, terms.score_mod)
     }
 
     /// Adds the parameters' gradient for `ds = dL/dy` at `(query, key)` (a visible score of

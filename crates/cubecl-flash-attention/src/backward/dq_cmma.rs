@@ -243,26 +243,16 @@ pub fn flash_backward_dq_cmma<F: Float>(
             // gradient.
             let ds_modded = p * (dp - row_delta);
             let in_sequences = visible && row < seq_q && key < seq_kv;
-            if in_sequences {
-                call.add_params_grad(
-                    ds_modded,
-                    logit,
-                    modded,
-                    row,
-                    key,
-                    score_params,
-                    score_grads,
-                    terms,
-                );
-            }
-            let ds_logit = call.grad(
+            let ds_logit = call.backward(
                 ds_modded,
                 logit,
                 modded,
                 row,
                 key,
+                in_sequences,
                 score_params,
-                terms.score_mod,
+                score_grads,
+                terms,
             );
             if comptime!(terms.bias_grad) {
                 if in_sequences {
