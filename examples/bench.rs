@@ -83,7 +83,7 @@ mod relpos {
             _modded: f32,
             at: &ScorePosition,
             table: &Tensor<f32>,
-            grads: &mut Tensor<Atomic<u32>>,
+            grads: &mut [Atomic<f32>],
         ) {
             add_grad(grads, cell(at, table), grad);
         }

@@ -12,9 +12,10 @@ mod kernels;
 mod op;
 mod oracle;
 mod score_mod;
-// The offline compile checks are the longest tests: named to start early (libtest starts
-// tests in name order), so that they overlap the others instead of ending the run alone.
+// The offline (ahead-of-time) compile checks are the longest test: named to start first
+// (libtest starts tests in name order), so that it overlaps the others instead of ending
+// the run alone.
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 #[path = "sources.rs"]
-mod compile_checks;
+mod ahead_of_time;
 mod varlen;

@@ -46,7 +46,7 @@ impl ScoreMod for RelativeBias {
         _modded: f32,
         at: &ScorePosition,
         params: &Tensor<f32>,
-        grads: &mut Tensor<Atomic<u32>>,
+        grads: &mut [Atomic<f32>],
     ) {
         add_grad(grads, relative_cell(at, params), grad);
     }
@@ -107,7 +107,7 @@ impl ScoreMod for TanhCap {
         modded: f32,
         _at: &ScorePosition,
         params: &Tensor<f32>,
-        grads: &mut Tensor<Atomic<u32>>,
+        grads: &mut [Atomic<f32>],
     ) {
         let cap = params[0];
         let t = modded / cap;
@@ -150,7 +150,7 @@ impl ScoreMod for Documents {
         _modded: f32,
         _at: &ScorePosition,
         _params: &Tensor<f32>,
-        _grads: &mut Tensor<Atomic<u32>>,
+        _grads: &mut [Atomic<f32>],
     ) {
     }
     fn visible(at: &ScorePosition, params: &Tensor<f32>) -> bool {
@@ -185,7 +185,7 @@ impl ScoreMod for LearnedAlibi {
         _modded: f32,
         at: &ScorePosition,
         _params: &Tensor<f32>,
-        grads: &mut Tensor<Atomic<u32>>,
+        grads: &mut [Atomic<f32>],
     ) {
         let distance = f32::cast_from(Abs::abs(aligned_distance(at)));
         add_grad(grads, at.head, -grad * distance);

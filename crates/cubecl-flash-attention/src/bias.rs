@@ -10,7 +10,8 @@
 //! The score the softmax sees is `softcap(q·k · scale) + bias + alibi`, as in the
 //! [`crate::reference`] oracle. The gradient of the bias is `dS = P ⊙ (dP − D)`: the
 //! backward's dQ kernels write it where they form `dS`, each element once, or add it up
-//! (a 32-bit compare-and-swap loop, which every runtime has) where the bias broadcasts.
+//! atomically where the bias broadcasts ([`crate::score_mod::add_f32`]: a native float add
+//! where the device has one, else a compare-and-swap loop on the bits).
 //!
 //! Each kernel reads the terms of one line of the score matrix at a time: a query row
 //! against the keys ([`BiasLine::along_keys`]) or, in the dK/dV kernels that hold `Sᵀ`, a
@@ -24,7 +25,7 @@ use crate::error::FlashError;
 use crate::launch::DeviceTensor;
 use crate::mma_sync::Pair;
 use crate::problem::AttentionProblem;
-use crate::score_mod::{ScoreFn, add_f32};
+use crate::score_mod::{ScoreFn, add_f32, store_f32};
 use crate::softmax::MASKED;
 
 /// Which terms a kernel adds to the scores, and whether it drops probabilities
@@ -365,8 +366,8 @@ impl BiasLine {
     }
 }
 
-/// Where one query row's `d(bias)` goes: `dbias` holds f32 bits, zeroed, in the shape of
-/// the bias (contiguous).
+/// Where one query row's `d(bias)` goes: `dbias` holds f32 cells (see
+/// [`crate::score_mod::add_f32`]), zeroed, in the shape of the bias (contiguous).
 #[derive(CubeType, Clone, Copy)]
 pub struct BiasGradLine {
     offset: usize,
@@ -376,8 +377,8 @@ pub struct BiasGradLine {
 #[cube]
 impl BiasGradLine {
     /// Query `row` of `(batch, head)`.
-    pub fn along_keys(
-        dbias: &mut Tensor<Atomic<u32>>,
+    pub fn along_keys<G: CubePrimitive>(
+        dbias: &mut Tensor<Atomic<G>>,
         batch: usize,
         head: usize,
         row: usize,
@@ -391,9 +392,9 @@ impl BiasGradLine {
     }
 
     /// Adds `ds` at key `key` (stores it where nothing else lands there).
-    pub fn add(
+    pub fn add<G: CubePrimitive>(
         &self,
-        dbias: &mut Tensor<Atomic<u32>>,
+        dbias: &mut Tensor<Atomic<G>>,
         key: usize,
         ds: f32,
         #[comptime] terms: ScoreTerms,
@@ -402,7 +403,7 @@ impl BiasGradLine {
         if comptime!(terms.bias_grad_sums) {
             add_f32(cell, ds);
         } else {
-            cell.store(u32::reinterpret(ds));
+            store_f32(cell, ds);
         }
     }
 }
@@ -491,8 +492,8 @@ pub fn base2_scores(
 /// of [`add_to_columns`]) of one query row, to `d(bias)` at keys `p0 + …` below `end`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn add_grad_columns(
-    dbias: &mut Tensor<Atomic<u32>>,
+pub fn add_grad_columns<G: CubePrimitive>(
+    dbias: &mut Tensor<Atomic<G>>,
     p: &Array<Pair<f32>>,
     dp_minus_d: &Array<Pair<f32>>,
     #[comptime] tiles: usize,

@@ -101,8 +101,9 @@ pub fn dq_iterations(problem: &AttentionProblem, config: &TileConfig) -> u64 {
     3 * row(dqk, c) + row(dv, c) + run(0) + blocks * per_block
 }
 
-/// Loop iterations the portable dQ kernel adds when it sums a broadcast bias's gradient:
-/// one compare-and-swap loop per key it visits, counted twice (a retry's worth of margin).
+/// Loop iterations the portable dQ kernel adds when it sums a broadcast bias's gradient on a
+/// device without float atomics: one compare-and-swap loop per key it visits, counted twice
+/// (a retry's worth of margin).
 pub fn bias_grad_sum_iterations(problem: &AttentionProblem, config: &TileConfig) -> u64 {
     2 * problem.seq_kv.div_ceil(config.block_stream) as u64 * config.block_stream as u64
 }

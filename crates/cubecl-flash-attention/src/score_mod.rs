@@ -31,7 +31,7 @@
 //!         _modded: f32,
 //!         at: &ScorePosition,
 //!         params: &Tensor<f32>,
-//!         grads: &mut Tensor<Atomic<u32>>,
+//!         grads: &mut [Atomic<f32>],
 //!     ) {
 //!         add_grad(grads, cell(at, params), grad);
 //!     }
@@ -57,6 +57,8 @@ use std::hash::{Hash, Hasher};
 use std::marker::PhantomData;
 
 use cubecl::intrinsic;
+use cubecl::ir::features::AtomicUsage;
+use cubecl::ir::{DeviceProperties, ElemType, FloatKind, Type, UIntKind};
 use cubecl::prelude::*;
 
 use crate::bias::ScoreTerms;
@@ -88,8 +90,8 @@ pub trait ScoreMod: Send + Sync + 'static {
     /// `d score(x) / dx` at `x = score`, where `modded = score(x)`.
     fn score_grad(score: f32, modded: f32, at: &ScorePosition, params: &Tensor<f32>) -> f32;
 
-    /// Adds the gradient of `params` at this score to `grads` (f32 bits, `params`'s shape,
-    /// contiguous; add with [`add_grad`]), where `grad` is the loss's derivative with
+    /// Adds the gradient of `params` at this score to `grads` (f32 cells with `params`'s
+    /// shape and strides; add only with [`add_grad`]), where `grad` is the loss's derivative with
     /// respect to the modified score. Runs only where `params`'s gradient is asked for,
     /// once per visible score.
     fn params_grad(
@@ -98,23 +100,53 @@ pub trait ScoreMod: Send + Sync + 'static {
         modded: f32,
         at: &ScorePosition,
         params: &Tensor<f32>,
-        grads: &mut Tensor<Atomic<u32>>,
+        grads: &mut [Atomic<f32>],
     );
 
     /// Whether the query sees the key (on top of the causal, window and block masks).
     fn visible(at: &ScorePosition, params: &Tensor<f32>) -> bool;
 }
 
-/// Adds `value` to element `index` of a gradient that holds f32 bits, atomically (a
-/// compare-and-swap loop, which every runtime has).
+/// Adds `value` to element `index` of a gradient, atomically ([`add_f32`]).
 #[cube]
-pub fn add_grad(grads: &mut Tensor<Atomic<u32>>, index: usize, value: f32) {
+pub fn add_grad(grads: &mut [Atomic<f32>], index: usize, value: f32) {
     add_f32(&grads[index], value);
 }
 
-/// `cell += value` on f32 bits, by compare-and-swap (WGSL has no f32 atomics).
+/// `cell += value` on an f32 gradient cell, atomically: a native float atomic add where the
+/// device has one ([`float_atomics`]), else a compare-and-swap loop on the float's bits
+/// (WGSL without its float-atomics extension). The kernels bind the cells as [`cell_type`]
+/// says; whatever their nominal type `G`, the instruction follows the same property.
 #[cube]
-pub fn add_f32(cell: &Atomic<u32>, value: f32) {
+pub fn add_f32<G: CubePrimitive>(cell: &Atomic<G>, value: f32) {
+    intrinsic!(|scope| {
+        if native_cells(scope) {
+            let cell = Expand::<Atomic<f32>>::from(cell.expand.clone());
+            cell.__expand_fetch_add_method(scope, value);
+        } else {
+            let cell = Expand::<Atomic<u32>>::from(cell.expand.clone());
+            add_f32_bits::expand(scope, &cell, value);
+        }
+    })
+}
+
+/// `cell = value` on an f32 gradient cell (bound as [`add_f32`] says).
+#[cube]
+pub fn store_f32<G: CubePrimitive>(cell: &Atomic<G>, value: f32) {
+    intrinsic!(|scope| {
+        if native_cells(scope) {
+            let cell = Expand::<Atomic<f32>>::from(cell.expand.clone());
+            cell.__expand_store_method(scope, value);
+        } else {
+            let cell = Expand::<Atomic<u32>>::from(cell.expand.clone());
+            store_f32_bits::expand(scope, &cell, value);
+        }
+    })
+}
+
+/// `cell += value` on f32 bits, by compare-and-swap.
+#[cube]
+fn add_f32_bits(cell: &Atomic<u32>, value: f32) {
     let mut old = cell.load();
     loop {
         let new = u32::reinterpret(f32::reinterpret(old) + value);
@@ -123,6 +155,37 @@ pub fn add_f32(cell: &Atomic<u32>, value: f32) {
             break;
         }
         old = seen;
+    }
+}
+
+#[cube]
+fn store_f32_bits(cell: &Atomic<u32>, value: f32) {
+    cell.store(u32::reinterpret(value));
+}
+
+/// Whether the kernel being expanded binds its gradient cells as f32.
+fn native_cells(scope: &Scope) -> bool {
+    scope
+        .state()
+        .device_properties
+        .as_ref()
+        .is_some_and(|props| float_atomics(props))
+}
+
+/// Whether the device adds f32 atomically in hardware: the kernels then bind gradient cells
+/// as f32, else as u32 holding f32 bits.
+pub fn float_atomics(props: &DeviceProperties) -> bool {
+    props
+        .atomic_type_usage(Type::atomic(ElemType::Float(FloatKind::F32)))
+        .contains(AtomicUsage::Add)
+}
+
+/// The element type the kernels bind gradient cells with on a device ([`float_atomics`]).
+pub fn cell_type(props: &DeviceProperties) -> ElemType {
+    if float_atomics(props) {
+        ElemType::Float(FloatKind::F32)
+    } else {
+        ElemType::UInt(UIntKind::U32)
     }
 }
 
@@ -157,7 +220,7 @@ trait ExpandScoreMod: Send + Sync + std::panic::RefUnwindSafe {
         modded: Expand<f32>,
         at: &Expand<ScorePosition>,
         params: &Expand<Tensor<f32>>,
-        grads: &mut Expand<Tensor<Atomic<u32>>>,
+        grads: &mut Expand<[Atomic<f32>]>,
     );
     fn visible(
         &self,
@@ -203,7 +266,7 @@ impl<M: ScoreMod> ExpandScoreMod for Erased<M> {
         modded: Expand<f32>,
         at: &Expand<ScorePosition>,
         params: &Expand<Tensor<f32>>,
-        grads: &mut Expand<Tensor<Atomic<u32>>>,
+        grads: &mut Expand<[Atomic<f32>]>,
     ) {
         M::__expand_params_grad(scope, grad, score, modded, at, params, grads)
     }
@@ -332,7 +395,7 @@ impl ScoreCall {
     /// gradient where `terms` asks for it and the score `counts` (visible, in the
     /// sequences), and returns `dL/dx` ([`ScoreCall::grad`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn backward(
+    pub fn backward<G: CubePrimitive>(
         &self,
         ds: f32,
         x: f32,
@@ -341,7 +404,7 @@ impl ScoreCall {
         key: usize,
         counts: bool,
         params: &Tensor<f32>,
-        grads: &mut Tensor<Atomic<u32>>,
+        grads: &mut Tensor<Atomic<G>>,
         #[comptime] terms: ScoreTerms,
     ) -> f32 {
         if counts {
@@ -353,7 +416,7 @@ impl ScoreCall {
     /// Adds the parameters' gradient for `ds = dL/dy` at `(query, key)` (a visible score of
     /// the sequences), where `terms` asks for it.
     #[allow(clippy::too_many_arguments)]
-    pub fn add_params_grad(
+    pub fn add_params_grad<G: CubePrimitive>(
         &self,
         ds: f32,
         x: f32,
@@ -361,7 +424,7 @@ impl ScoreCall {
         query: usize,
         key: usize,
         params: &Tensor<f32>,
-        grads: &mut Tensor<Atomic<u32>>,
+        grads: &mut Tensor<Atomic<G>>,
         #[comptime] terms: ScoreTerms,
     ) {
         if comptime!(terms.score_params_grad) {
@@ -396,16 +459,21 @@ pub fn modded_grad(
 
 /// Adds the parameters' gradient at `at` for `grad = dL/dy`.
 #[cube]
-pub fn modded_params_grad(
+pub fn modded_params_grad<G: CubePrimitive>(
     grad: f32,
     x: f32,
     y: f32,
     at: &ScorePosition,
     params: &Tensor<f32>,
-    grads: &mut Tensor<Atomic<u32>>,
+    grads: &mut Tensor<Atomic<G>>,
     #[comptime] f: ScoreFn,
 ) {
-    intrinsic!(|scope| f.0.params_grad(scope, grad, x, y, at, params, grads))
+    intrinsic!(|scope| {
+        // The cells' binding is the device's ([`cell_type`]); [`add_f32`] chooses its
+        // instruction by the same property, whatever the nominal type.
+        let cells = unsafe { grads.__expand_downcast_mut_unchecked_method::<Atomic<f32>>(scope) };
+        f.0.params_grad(scope, grad, x, y, at, params, cells)
+    })
 }
 
 #[cube]
@@ -546,7 +614,7 @@ pub fn modify_columns_with_slopes(
 /// `x` in `unmodded` in units of `unit` per natural-log unit.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn add_params_grad_columns(
+pub fn add_params_grad_columns<G: CubePrimitive>(
     p: &Array<Pair<f32>>,
     dp_minus_d: &Array<Pair<f32>>,
     unmodded: &Array<Pair<f32>>,
@@ -555,7 +623,7 @@ pub fn add_params_grad_columns(
     line: &ColumnLine,
     call: &ScoreCall,
     params: &Tensor<f32>,
-    grads: &mut Tensor<Atomic<u32>>,
+    grads: &mut Tensor<Atomic<G>>,
     unit: f32,
     #[comptime] f: ScoreFn,
 ) {

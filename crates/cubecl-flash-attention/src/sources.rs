@@ -47,7 +47,7 @@ use crate::forward::{
 use crate::mask::MaskSpec;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 use crate::rotary::RotaryConfig;
-use crate::score_mod::{ScoreFn, ScoreMod, ScorePosition, add_grad};
+use crate::score_mod::{ScoreFn, ScoreMod, ScorePosition, add_grad, cell_type};
 use crate::tile::RowLayoutCompilationArg;
 
 /// How the decode kernels divide positions by the page size: by multiplication where the
@@ -313,12 +313,13 @@ pub struct KernelSource {
     pub source: String,
 }
 
-/// The problems whose kernels differ in code: every dtype; head dims that are a multiple
-/// of 16, one padded, and the largest; plain and with every option compiled in (causal
-/// window and softcap); `d_v ≠ d_qk` once. Every dtype and both forms run at d = 64 and
-/// 128; the other head dims (whose tiles and row walks differ) on bf16 with every option,
-/// which holds the plain form's code and more: f16 and f32 differ from bf16 only in their
-/// element type (and f16 in its products' instructions).
+/// The problems whose kernels differ in code, as a covering set rather than every
+/// combination: each dtype, each head-dim class (multiples of 16 at 64 and 128, one padded,
+/// the largest, `d_v ≠ d_qk`) and both forms (plain, and with every option compiled in:
+/// causal window and softcap) appear, and each dtype in both forms. The kernels' code
+/// depends on these axes separately: the dtype changes the element type (and, for f16, the
+/// products' instructions), the head dim the tiles and row walks, the options the masked
+/// steps (the plain form's code is the masked form's with the masks compiled out).
 pub fn shipped_problems() -> Vec<AttentionProblem> {
     let plain = AttentionOptions::default();
     let everything = AttentionOptions {
@@ -332,30 +333,30 @@ pub fn shipped_problems() -> Vec<AttentionProblem> {
         deterministic: false,
         dropout: None,
     };
-    let mut problems = Vec::new();
-    for dtype in [FloatDtype::F32, FloatDtype::F16, FloatDtype::BF16] {
-        for (dim_qk, dim_v) in [(40, 40), (64, 64), (128, 128), (256, 256), (128, 64)] {
-            let common_dims = matches!((dim_qk, dim_v), (64, 64) | (128, 128));
-            if dtype != FloatDtype::BF16 && !common_dims {
-                continue;
-            }
-            for options in [plain, everything] {
-                if !common_dims && options == plain {
-                    continue;
-                }
-                let problem = AttentionProblem::new(
-                    &[1, 2, 128, dim_qk],
-                    &[1, 1, 128, dim_qk],
-                    &[1, 1, 128, dim_v],
-                    dtype,
-                    options,
-                )
-                .expect("a valid problem");
-                problems.push(problem);
-            }
-        }
-    }
-    problems
+    let forms = [
+        (FloatDtype::F32, (64, 64), plain),
+        (FloatDtype::F32, (128, 128), everything),
+        (FloatDtype::F16, (64, 64), everything),
+        (FloatDtype::F16, (128, 128), plain),
+        (FloatDtype::BF16, (64, 64), plain),
+        (FloatDtype::BF16, (128, 128), everything),
+        (FloatDtype::BF16, (40, 40), everything),
+        (FloatDtype::BF16, (256, 256), everything),
+        (FloatDtype::BF16, (128, 64), everything),
+    ];
+    forms
+        .into_iter()
+        .map(|(dtype, (dim_qk, dim_v), options)| {
+            AttentionProblem::new(
+                &[1, 2, 128, dim_qk],
+                &[1, 1, 128, dim_qk],
+                &[1, 1, 128, dim_v],
+                dtype,
+                options,
+            )
+            .expect("a valid problem")
+        })
+        .collect()
 }
 
 /// Generates the source of every kernel the launchers would run for the shipped problems on
@@ -367,8 +368,7 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
     let mut out: Vec<Result<KernelSource, String>> = Vec::new();
     let mut seen = std::collections::HashSet::new();
     // Packed batches change only how a cube finds its sequence (and the registers that
-    // takes): their forms are checked for one dtype and head dim, without options and with
-    // every one.
+    // takes): their forms are checked for one dtype and head dim, with every option.
     // The score terms (bias, ALiBi, the bias's gradient, summed), dropout and a block mask
     // add the same code to every dtype and head dim: checked on those of the packed forms,
     // with every option.
@@ -389,11 +389,10 @@ pub fn generate(target: Target) -> Vec<Result<KernelSource, String>> {
     let variants = shipped_problems().into_iter().flat_map(|problem| {
         let one_form =
             problem.dtype == FloatDtype::BF16 && (problem.dim_qk, problem.dim_v) == (128, 128);
-        let with_terms = one_form && problem.options.mask.is_masked();
         [
             Some((problem, false, none)),
             one_form.then_some((problem, true, none)),
-            with_terms.then_some((problem, false, every_term)),
+            one_form.then_some((problem, false, every_term)),
         ]
     });
     for (problem, packed, terms) in variants.flatten() {
@@ -525,7 +524,7 @@ impl ScoreMod for CheckedScoreMod {
         modded: f32,
         at: &ScorePosition,
         params: &Tensor<f32>,
-        grads: &mut Tensor<Atomic<u32>>,
+        grads: &mut [Atomic<f32>],
     ) {
         let dx = grad * CheckedScoreMod::score_grad(score, modded, at, params);
         add_grad(grads, checked_cell(at, params), dx);
@@ -858,6 +857,7 @@ fn kernels(
                 packed,
                 terms,
                 elem,
+                cell_type(&props),
             )) as Box<dyn CubeKernel>
         }),
     ));
@@ -1051,6 +1051,7 @@ fn kernels(
                         packed,
                         terms,
                         elem,
+                        cell_type(&props),
                     ))),
                 ));
             }
@@ -1157,6 +1158,7 @@ fn kernels(
                 packed,
                 terms,
                 elem,
+                cell_type(&props),
             )) as Box<dyn CubeKernel>
         }),
     ));

@@ -21,7 +21,7 @@ use crate::tile::{
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn flash_backward_dq<F: Float>(
+pub fn flash_backward_dq<F: Float, G: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -40,13 +40,14 @@ pub fn flash_backward_dq<F: Float>(
     dropout: DropoutArgs,
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
-    dbias: &mut Tensor<Atomic<u32>>,
+    dbias: &mut Tensor<Atomic<G>>,
     score_params: &Tensor<f32>,
-    score_grads: &mut Tensor<Atomic<u32>>,
+    score_grads: &mut Tensor<Atomic<G>>,
     #[comptime] config: TileConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
+    #[define(G)] _cells: ElemType,
 ) {
     let block_q = config.block_rows;
     let block_k = config.block_stream;

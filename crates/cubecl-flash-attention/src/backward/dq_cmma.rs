@@ -38,7 +38,7 @@ pub fn shared_bytes(config: &MmaConfig, elem: usize) -> usize {
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn flash_backward_dq_cmma<F: Float>(
+pub fn flash_backward_dq_cmma<F: Float, G: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -57,13 +57,14 @@ pub fn flash_backward_dq_cmma<F: Float>(
     dropout: DropoutArgs,
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
-    dbias: &mut Tensor<Atomic<u32>>,
+    dbias: &mut Tensor<Atomic<G>>,
     score_params: &Tensor<f32>,
-    score_grads: &mut Tensor<Atomic<u32>>,
+    score_grads: &mut Tensor<Atomic<G>>,
     #[comptime] config: MmaConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
+    #[define(G)] _cells: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
     let block_k = config.block_stream;

@@ -51,7 +51,7 @@ const LOADS: LoadAddress = LoadAddress::Generic;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn flash_backward_dq_mma<F: Float>(
+pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -74,13 +74,14 @@ pub fn flash_backward_dq_mma<F: Float>(
     dropout: DropoutArgs,
     block_words: &Tensor<u32>,
     block_view: ViewLayout,
-    dbias: &mut Tensor<Atomic<u32>>,
+    dbias: &mut Tensor<Atomic<G>>,
     score_params: &Tensor<f32>,
-    score_grads: &mut Tensor<Atomic<u32>>,
+    score_grads: &mut Tensor<Atomic<G>>,
     #[comptime] config: RegisterBackwardConfig,
     #[comptime] packed: bool,
     #[comptime] terms: ScoreTerms,
     #[define(F)] _dtype: ElemType,
+    #[define(G)] _cells: ElemType,
 ) {
     let block_q = comptime!(config.block_rows());
     let block_k = config.block_stream;

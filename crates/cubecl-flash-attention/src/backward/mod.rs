@@ -43,6 +43,7 @@ use crate::launch::{
 };
 use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
+use crate::score_mod::{cell_type, float_atomics};
 use crate::sequence::{PackedSequences, batch_view, cu_seqlens};
 
 pub use dkdv::flash_backward_dkdv;
@@ -387,7 +388,9 @@ fn launch(
     if matches!(plan, Plan::RegisterMma(_)) && per_head_mask && problem.group_size() > 1 {
         plan = Plan::TensorCore;
     }
-    if let (Plan::Portable { dq, .. }, true) = (&plan, terms.bias_grad_sums) {
+    // Where the device adds floats atomically the sums run no loop of their own.
+    let sum_loops = terms.bias_grad_sums && !float_atomics(client.properties());
+    if let (Plan::Portable { dq, .. }, true) = (&plan, sum_loops) {
         let iterations = loop_budget::dq_iterations(&problem, dq)
             + loop_budget::bias_grad_sum_iterations(&problem, dq);
         loop_budget::check(
@@ -413,6 +416,7 @@ fn launch(
     let (left, right) = window_args(&problem);
     let (scale, softcap) = (problem.scale(), softcap_arg(&problem));
     let elem = dtype.elem_type();
+    let cells = cell_type(client.properties());
 
     let delta = DeviceTensor::empty(client, &lse.shape, 4);
     let rows: usize = lse.shape.iter().product();
@@ -549,6 +553,7 @@ fn launch(
                     is_packed,
                     terms,
                     elem,
+                    cells,
                 );
             }
         }
@@ -626,6 +631,7 @@ fn launch(
                     is_packed,
                     terms,
                     elem,
+                    cells,
                 );
             }
         }
@@ -694,6 +700,7 @@ fn launch(
                     is_packed,
                     terms,
                     elem,
+                    cells,
                 );
             }
         }
