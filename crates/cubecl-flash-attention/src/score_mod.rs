@@ -119,29 +119,42 @@ pub fn add_grad(grads: &mut [Atomic<f32>], index: usize, value: f32) {
 /// says; whatever their nominal type `G`, the instruction follows the same property.
 #[cube]
 pub fn add_f32<G: CubePrimitive>(cell: &Atomic<G>, value: f32) {
-    intrinsic!(|scope| {
-        if native_cells(scope) {
-            let cell = Expand::<Atomic<f32>>::from(cell.expand.clone());
+    intrinsic!(|scope| match BoundCell::of(scope, cell) {
+        BoundCell::Float(cell) => {
             cell.__expand_fetch_add_method(scope, value);
-        } else {
-            let cell = Expand::<Atomic<u32>>::from(cell.expand.clone());
-            add_f32_bits::expand(scope, &cell, value);
         }
+        BoundCell::Bits(cell) => add_f32_bits::expand(scope, &cell, value),
     })
 }
 
 /// `cell = value` on an f32 gradient cell (bound as [`add_f32`] says).
 #[cube]
 pub fn store_f32<G: CubePrimitive>(cell: &Atomic<G>, value: f32) {
-    intrinsic!(|scope| {
-        if native_cells(scope) {
-            let cell = Expand::<Atomic<f32>>::from(cell.expand.clone());
-            cell.__expand_store_method(scope, value);
-        } else {
-            let cell = Expand::<Atomic<u32>>::from(cell.expand.clone());
-            store_f32_bits::expand(scope, &cell, value);
-        }
+    intrinsic!(|scope| match BoundCell::of(scope, cell) {
+        BoundCell::Float(cell) => cell.__expand_store_method(scope, value),
+        BoundCell::Bits(cell) => store_f32_bits::expand(scope, &cell, value),
     })
+}
+
+/// A gradient cell as its kernel binds it: f32 where the device adds floats atomically,
+/// else u32 holding f32 bits.
+enum BoundCell {
+    Float(Expand<Atomic<f32>>),
+    Bits(Expand<Atomic<u32>>),
+}
+
+impl BoundCell {
+    fn of<G: CubePrimitive>(scope: &Scope, cell: &Expand<Atomic<G>>) -> Self {
+        let native = scope
+            .state()
+            .device_properties
+            .as_ref()
+            .is_some_and(|props| float_atomics(props));
+        match native {
+            true => Self::Float(cell.expand.clone().into()),
+            false => Self::Bits(cell.expand.clone().into()),
+        }
+    }
 }
 
 /// `cell += value` on f32 bits, by compare-and-swap.
@@ -161,15 +174,6 @@ fn add_f32_bits(cell: &Atomic<u32>, value: f32) {
 #[cube]
 fn store_f32_bits(cell: &Atomic<u32>, value: f32) {
     cell.store(u32::reinterpret(value));
-}
-
-/// Whether the kernel being expanded binds its gradient cells as f32.
-fn native_cells(scope: &Scope) -> bool {
-    scope
-        .state()
-        .device_properties
-        .as_ref()
-        .is_some_and(|props| float_atomics(props))
 }
 
 /// Whether the device adds f32 atomically in hardware: the kernels then bind gradient cells
