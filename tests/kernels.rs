@@ -622,39 +622,6 @@ fn calls_allocate_only_their_outputs() {
     let size = |shape: &[usize], elem: usize| (shape.iter().product::<usize>() * elem) as u64;
     // Allocations may be rounded up to the device's alignment.
     let slack = |n: u64| n * 512;
-    // One measurement of a path: the figures, or what is wrong with them.
-    let measure = |path: KernelPath| -> Result<String, String> {
-        let before = common::bytes_in_use(&client);
-        let fwd = forward(&client, &q, &k, &v, dtype, case.options(), path).unwrap();
-        let after_forward = common::bytes_in_use(&client);
-        let want = size(&os, dtype.size()) + size(&os[..3], 4);
-        let got = after_forward.saturating_sub(before);
-        if !(want..=want + slack(2)).contains(&got) {
-            return Err(format!(
-                "{path:?} {dtype:?}: forward holds {got} bytes, O + LSE are {want}"
-            ));
-        }
-        let saved = Saved {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &fwd.out,
-            lse: &fwd.lse,
-        };
-        let _grads = backward(&client, saved, &d_out, dtype, case.options(), path).unwrap();
-        let got = common::bytes_in_use(&client).saturating_sub(after_forward);
-        let want = size(&qs, dtype.size()) + size(&ks, dtype.size()) + size(&vs, dtype.size());
-        if !(want..=want + slack(3)).contains(&got) {
-            return Err(format!(
-                "{path:?} {dtype:?}: backward holds {got} bytes, dQ + dK + dV are {want} (D would be {})",
-                size(&os[..3], 4)
-            ));
-        }
-        Ok(format!(
-            "{path:?} {dtype:?} {d:?}: forward +{} B (O + LSE), backward +{got} B (dQ, dK, dV)",
-            after_forward.saturating_sub(before)
-        ))
-    };
     for path in common::paths(&client, dtype) {
         let warm = forward(&client, &q, &k, &v, dtype, case.options(), path).unwrap();
         let saved = Saved {
@@ -666,17 +633,36 @@ fn calls_allocate_only_their_outputs() {
         };
         drop(backward(&client, saved, &d_out, dtype, case.options(), path).unwrap());
         drop(warm);
-        // The device's memory is shared with the tests running beside this one: a
-        // measurement they disturb is taken again (theirs only add to or take from it for
-        // a moment; a call that holds too much does so every time).
-        let mut result = measure(path);
-        for _ in 0..2 {
-            if result.is_ok() {
-                break;
-            }
-            result = measure(path);
-        }
-        eprintln!("{}", result.unwrap_or_else(|e| panic!("{e}")));
+        let before = common::bytes_in_use(&client);
+        let fwd = forward(&client, &q, &k, &v, dtype, case.options(), path).unwrap();
+        let after_forward = common::bytes_in_use(&client);
+        let want = size(&os, dtype.size()) + size(&os[..3], 4);
+        let got = after_forward - before;
+        assert!(
+            (want..=want + slack(2)).contains(&got),
+            "{path:?} {dtype:?}: forward holds {got} bytes, O + LSE are {want}"
+        );
+        let saved = Saved {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &fwd.out,
+            lse: &fwd.lse,
+        };
+        let grads = backward(&client, saved, &d_out, dtype, case.options(), path).unwrap();
+        let got = common::bytes_in_use(&client) - after_forward;
+        let want = size(&qs, dtype.size()) + size(&ks, dtype.size()) + size(&vs, dtype.size());
+        assert!(
+            (want..=want + slack(3)).contains(&got),
+            "{path:?} {dtype:?}: backward holds {got} bytes, dQ + dK + dV are {want} (D would be {})",
+            size(&os[..3], 4)
+        );
+        eprintln!(
+            "{path:?} {dtype:?} {d:?}: forward +{} B (O + LSE), backward +{got} B (dQ, dK, dV)",
+            after_forward - before
+        );
+        drop(grads);
+        drop(fwd);
     }
 }
 

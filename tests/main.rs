@@ -12,9 +12,8 @@ mod kernels;
 mod op;
 mod oracle;
 mod score_mod;
-// The offline (ahead-of-time) compile checks are the longest test: named to start first
-// (libtest starts tests in name order), so that it overlaps the others instead of ending
-// the run alone.
+// The offline (ahead-of-time) compile checks, the longest test (tests run one at a time:
+// `.cargo/config.toml`).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 #[path = "sources.rs"]
 mod ahead_of_time;

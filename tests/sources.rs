@@ -103,9 +103,9 @@ fn check_target(target: Target) {
     compile(target, &dir);
 }
 
-/// Every target in one test, one after another: the checks are long and use the machine's
-/// cores (`tools/compile_check.py` compiles two sources at once), so the other tests keep
-/// the remaining test thread. A target that fails does not stop the others.
+/// Every target in one test, one after another (`tools/compile_check.py` compiles two
+/// sources at once); a target that fails does not stop the others, and the failures are
+/// listed together.
 #[test]
 fn kernels_compile_for_every_target() {
     let failed: Vec<&str> = Target::ALL
