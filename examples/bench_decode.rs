@@ -45,6 +45,11 @@ struct Args {
     /// Page sizes; 0 is the contiguous cache.
     #[arg(long, value_delimiter = ',', default_values_t = [0usize, 1, 16, 64, 256])]
     pages: Vec<usize>,
+    /// How a sequence's pages lie in the pool: `scattered` (consecutive pages 7919 pages
+    /// apart, modulo the pool, as an allocator serving many sequences leaves them) or
+    /// `sequential` (in order: the cost of the block table alone, without the scatter's).
+    #[arg(long, default_value = "scattered", value_parser = ["scattered", "sequential"])]
+    page_order: String,
     /// Split counts to force (0: the heuristic's).
     #[arg(long, value_delimiter = ',', default_values_t = [0usize])]
     splits: Vec<usize>,
@@ -77,6 +82,9 @@ struct Record {
     cache_len: usize,
     d: usize,
     page_size: usize,
+    /// `scattered` or `sequential` (`--page-order`); absent for a contiguous cache.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    page_order: Option<String>,
     splits: usize,
     /// Timed by graph replays (`--graph`).
     graph: bool,
@@ -149,9 +157,12 @@ fn main() {
                         } else {
                             let per_seq = len.div_ceil(page);
                             let pages = b * per_seq;
-                            // Pages of a sequence scattered over the pool (stride 7 mod pages).
+                            let stride = match args.page_order.as_str() {
+                                "sequential" => 1,
+                                _ => 7919,
+                            };
                             let entries: Vec<i32> =
-                                (0..pages).map(|n| ((n * 7919) % pages) as i32).collect();
+                                (0..pages).map(|n| ((n * stride) % pages) as i32).collect();
                             (
                                 DeviceTensor::empty(&client, &[pages, page, h_kv, d], dtype.size()),
                                 DeviceTensor::empty(&client, &[pages, page, h_kv, d], dtype.size()),
@@ -257,6 +268,7 @@ fn main() {
                             cache_len: len,
                             d,
                             page_size: page,
+                            page_order: (page > 0).then(|| args.page_order.clone()),
                             splits: ran,
                             graph: args.graph,
                             ms,
