@@ -702,6 +702,7 @@ fn kernels(
                     tensor(),
                     tensor(),
                     tensor(),
+                    tensor(),
                     (),
                     PAGE_SIZE,
                     (),

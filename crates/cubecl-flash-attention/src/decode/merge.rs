@@ -4,8 +4,23 @@
 //! `O_s` and its `LSE_s`, is `O = Σ_s w_s · O_s` with `w_s = exp(LSE_s − LSE)` and
 //! `LSE = log Σ_s exp(LSE_s)`. A part that sees no key has `LSE_s = −∞` and weight 0; a row
 //! no part sees gives `O = 0`, `LSE = −∞`.
+//!
+//! Two ways to run it: a kernel of its own after the decode kernel ([`merge_by_lse`]), or
+//! inside the decode kernel, by whichever of a row block's split cubes finishes last
+//! ([`merge_when_last`]), where the runtime orders memory across cubes: no second launch,
+//! and the merges of row blocks that finish early overlap the cubes still reading keys.
 
+use std::any::TypeId;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::thread::{self, ThreadId};
+
+use cubecl::client::Client;
+use cubecl::device::DeviceId;
 use cubecl::prelude::*;
+
+use super::task::DecodeTask;
+use crate::launch::DeviceTensor;
 
 /// `partial_out` `[parts, batch, heads, seq, d_v]` and `partial_lse` `[parts, batch, heads,
 /// seq]` (f32, contiguous) into `out` `[batch, heads, seq, d_v]` (any strides, the input
@@ -111,6 +126,92 @@ pub fn merge_by_lse<F: Float>(
     }
 }
 
+/// Counts the split cubes of the cube's row block (`CUBE_POS_Y`) that have written their
+/// parts and, in the last of them (`CUBE_COUNT_X` counted), merges the block's rows into
+/// `out` and `lse`; every other cube returns at once. `arrivals` holds one counter per row
+/// block, zero before the call; the last cube sets its counter back to zero, so the same
+/// counters serve the next call on the stream (and a replayed graph).
+///
+/// Every unit of the cube must call it, after the cube's parts are written. Needs a runtime
+/// whose storage barrier (`sync_storage`) orders memory across cubes (CUDA, HIP): the
+/// barrier publishes the parts before the count, and the last cube's barrier after the
+/// count makes every other cube's parts visible to it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn merge_when_last<F: Float>(
+    task: &DecodeTask,
+    arrivals: &mut Tensor<Atomic<u32>>,
+    partial_out: &mut Tensor<f32>,
+    partial_lse: &mut Tensor<f32>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    neg_inf: f32,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] units: usize,
+) {
+    let mut last = Shared::<[u32]>::new_slice(1usize);
+    sync_storage();
+    if UNIT_POS == 0 {
+        let counter = &arrivals[CUBE_POS_Y as usize];
+        let arrived = counter.fetch_add(1u32) + 1;
+        let is_last = arrived == CUBE_COUNT_X;
+        if is_last {
+            counter.store(0u32);
+        }
+        last[0] = u32::cast_from(is_last);
+    }
+    sync_storage();
+    if last[0] == 1 {
+        let parts = CUBE_COUNT_X as usize;
+        let (part_rows, part_lses) = (partial_out.stride(0), partial_lse.stride(0));
+        #[unroll]
+        for n in 0..comptime!((rows * dim).div_ceil(units)) {
+            let idx = n * units + UNIT_POS as usize;
+            let r = idx / dim;
+            if idx < rows * dim && task.has_row(r) {
+                let c = idx % dim;
+                let row = task.row_index(r);
+                let mut m = neg_inf;
+                for s in 0..parts {
+                    m = max(m, partial_lse[s * part_lses + row]);
+                }
+                let mut total = 0.0f32;
+                let mut o = 0.0f32;
+                let at = row * partial_out.stride(1) + c;
+                let mut s = 0;
+                // Four parts a round, their loads in flight together.
+                while s + 3 < parts {
+                    let w0 = weight(partial_lse[s * part_lses + row], m, neg_inf);
+                    let w1 = weight(partial_lse[(s + 1) * part_lses + row], m, neg_inf);
+                    let w2 = weight(partial_lse[(s + 2) * part_lses + row], m, neg_inf);
+                    let w3 = weight(partial_lse[(s + 3) * part_lses + row], m, neg_inf);
+                    let a = partial_out[s * part_rows + at];
+                    let b = partial_out[(s + 1) * part_rows + at];
+                    let e = partial_out[(s + 2) * part_rows + at];
+                    let f = partial_out[(s + 3) * part_rows + at];
+                    total += (w0 + w1) + (w2 + w3);
+                    o += w0 * a + w1 * b;
+                    o += w2 * e + w3 * f;
+                    s += 4;
+                }
+                while s < parts {
+                    let w = weight(partial_lse[s * part_lses + row], m, neg_inf);
+                    total += w;
+                    o += w * partial_out[s * part_rows + at];
+                    s += 1;
+                }
+                let value = select(total > 0.0, o / total, 0.0);
+                task.write_output(out, partial_out, r, c, value, false);
+                if c == 0 {
+                    let row_lse = select(total > 0.0, m + total.ln(), neg_inf);
+                    task.write_lse(lse, partial_lse, r, row_lse, false);
+                }
+            }
+        }
+    }
+}
+
 /// `exp(LSE_s − m)`, 0 for a part that saw no key.
 #[cube]
 fn weight(part: f32, m: f32, neg_inf: f32) -> f32 {
@@ -145,6 +246,36 @@ fn reduce(
         sync_cube();
     }
     scratch[0]
+}
+
+/// Arrival counters for `count` row blocks ([`merge_when_last`]), zero. They are kept per
+/// device and thread and reused by every call after the first, whose last cubes leave them
+/// at zero again: allocated (and zeroed by a fill kernel) only the first time, or when a
+/// call needs more. A thread's calls go to its own stream and run one after another, so
+/// two calls never count on the same counters at once.
+pub fn arrival_counters(client: &Client, count: usize) -> DeviceTensor {
+    type Key = (DeviceId, TypeId, ThreadId);
+    static COUNTERS: Mutex<Option<HashMap<Key, DeviceTensor>>> = Mutex::new(None);
+    let service = client.service_id();
+    let key = (service.device, service.service, thread::current().id());
+    let mut kept = COUNTERS.lock().unwrap_or_else(|e| e.into_inner());
+    let kept = kept.get_or_insert_with(HashMap::new);
+    let counters = match kept.get(&key) {
+        Some(counters) if counters.shape[0] >= count => counters.clone(),
+        _ => {
+            // f32 zeros are u32 zeros.
+            let size = count.next_power_of_two().max(1024);
+            let counters = client.memory_persistent_allocation((), |_| {
+                DeviceTensor::zeros_f32(client, &[size])
+            });
+            kept.insert(key, counters.clone());
+            counters
+        }
+    };
+    DeviceTensor {
+        shape: vec![count],
+        ..counters
+    }
 }
 
 /// Groups of units that share a row's parts, where the device's cubes hold them: a unit

@@ -13,13 +13,16 @@
 //! `block` keys of a step, runs `S = Q·Kᵀ`, the online softmax on the accumulator registers
 //! and `O += P·V` (as the forward's [`crate::forward::register_mma`]), and keeps its own
 //! softmax state; at the end the planes' partial results meet in shared memory and are
-//! merged by their maxima, as splits are ([`super::task::write_merged`]).
+//! merged by their maxima, as splits are ([`super::task::write_merged`]). A split cube
+//! writes its part, and the last of a row block's splits to finish merges them
+//! ([`super::merge::merge_when_last`]).
 
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 use cubecl::std::FastDivmod;
 
-use super::cache::cache_slot;
+use super::cache::{CacheSlot, cache_slot};
+use super::merge::merge_when_last;
 use super::stages::{StageBarriers, step_count};
 use super::task::{DecodeTask, write_merged};
 use crate::config::FRAGMENT;
@@ -57,6 +60,9 @@ pub struct MmaDecodeConfig {
     pub softcap: bool,
     pub paged: bool,
     pub split: bool,
+    /// Split cubes merge their parts themselves, the last of a row block to finish
+    /// ([`super::merge::merge_when_last`]), instead of a merge kernel after them.
+    pub merge: bool,
 }
 
 impl MmaDecodeConfig {
@@ -78,6 +84,16 @@ impl MmaDecodeConfig {
     /// `ldmatrix` reads in different banks.
     pub fn stride(&self) -> usize {
         self.dim + COPY
+    }
+
+    /// Block-table entries a unit holds for the next step's copies: one per copy of a paged
+    /// cache (1 where contiguous, unused).
+    pub fn block_lookups(&self) -> usize {
+        if self.paged {
+            (self.step() * self.dim / COPY).div_ceil(self.units())
+        } else {
+            1
+        }
     }
 
     /// Shared memory of Q, the stages and the final merge, in bytes.
@@ -104,6 +120,7 @@ pub fn flash_decode_mma<F: Float>(
     lse: &mut Tensor<f32>,
     partial_out: &mut Tensor<f32>,
     partial_lse: &mut Tensor<f32>,
+    arrivals: &mut Tensor<Atomic<u32>>,
     rotary_cos: &Tensor<F>,
     rotary_sin: &Tensor<F>,
     appended: u32,
@@ -185,6 +202,9 @@ pub fn flash_decode_mma<F: Float>(
     let mut v_tile = Shared::<[F]>::new_aligned_slice(comptime!(stages * stage_len), 16usize);
     let landed = StageBarriers::new();
     let steps = step_count(&task, step);
+    // A paged cache's blocks of the next step to copy, looked up a step ahead.
+    let mut blocks = Array::<u32>::new(comptime!(config.block_lookups()));
+    look_up_blocks(table, table_row, page_size, &task, task.begin, &mut blocks, config);
     #[unroll]
     for s in 0..comptime!(stages - 1) {
         let t = i32::cast_from(s);
@@ -194,17 +214,18 @@ pub fn flash_decode_mma<F: Float>(
                 v,
                 k_rows,
                 v_rows,
-                table,
-                table_row,
                 page_size,
                 &task,
                 task.begin + t * i32::cast_from(step),
+                &blocks,
                 &mut k_tile,
                 &mut v_tile,
                 comptime!(s * stage_len),
                 config,
             );
             landed.commit(s, stages);
+            let next = task.begin + (t + 1) * i32::cast_from(step);
+            look_up_blocks(table, table_row, page_size, &task, next, &mut blocks, config);
         }
     }
     for t in 0..steps {
@@ -218,17 +239,18 @@ pub fn flash_decode_mma<F: Float>(
                 v,
                 k_rows,
                 v_rows,
-                table,
-                table_row,
                 page_size,
                 &task,
                 task.begin + ahead * i32::cast_from(step),
+                &blocks,
                 &mut k_tile,
                 &mut v_tile,
                 refill * stage_len,
                 config,
             );
             landed.commit(refill, stages);
+            let next = task.begin + (ahead + 1) * i32::cast_from(step);
+            look_up_blocks(table, table_row, page_size, &task, next, &mut blocks, config);
         }
 
         // The plane's keys: `block` rows of the stage from `first`, positions from `k0`.
@@ -374,10 +396,67 @@ pub fn flash_decode_mma<F: Float>(
         units,
         config.split,
     );
+    if comptime!(config.split && config.merge) {
+        merge_when_last(
+            &task,
+            arrivals,
+            partial_out,
+            partial_lse,
+            out,
+            lse,
+            neg_inf,
+            rows,
+            config.dim,
+            units,
+        );
+    }
+}
+
+/// Loads into `blocks` the cache block of each copy this unit issues for the step from
+/// position `k0` (`blocks[n]` for its `n`-th copy): the block table's entries, for a paged
+/// cache, loaded a step before the copies need them so that their latency hides behind the
+/// step computed meanwhile. A contiguous cache has no table: nothing is loaded. Positions at
+/// or past the split's end are never looked up (the table past a sequence's pages may hold
+/// anything).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn look_up_blocks(
+    table: &Tensor<i32>,
+    table_row: usize,
+    page_size: FastDivmod<u32>,
+    task: &DecodeTask,
+    k0: i32,
+    blocks: &mut Array<u32>,
+    #[comptime] config: MmaDecodeConfig,
+) {
+    if comptime!(config.paged) {
+        let chunks = comptime!(config.dim / COPY);
+        let units = comptime!(config.units());
+        let copies = comptime!(config.step() * config.dim / COPY);
+        #[unroll]
+        for n in 0..comptime!(copies.div_ceil(units)) {
+            let idx = n * units + UNIT_POS as usize;
+            let position = k0 + i32::cast_from(idx / chunks);
+            let mut block = 0u32;
+            if (comptime!(copies.is_multiple_of(units)) || idx < copies) && position < task.end {
+                let at = cache_slot(
+                    table,
+                    table_row,
+                    task.batch,
+                    usize::cast_from(position),
+                    page_size,
+                    true,
+                );
+                block = u32::cast_from(at.block);
+            }
+            blocks[n] = block;
+        }
+    }
 }
 
 /// Starts the copies of the `step` keys and values from position `k0` into a stage (from
-/// `offset`, row `j` for key `k0 + j`, rows `stride` apart). Positions at or past the
+/// `offset`, row `j` for key `k0 + j`, rows `stride` apart), a paged cache's blocks taken
+/// from `blocks` ([`look_up_blocks`]). Positions at or past the
 /// split's end are zeroed with plain stores (visible after the same wait) and never looked
 /// up: a cache past a sequence's length may hold anything, NaN included, and a hidden
 /// key's value still meets a zero probability in `P·V`.
@@ -388,11 +467,10 @@ fn copy_step<F: Float>(
     v: &Tensor<F>,
     k_rows: &RowLayout,
     v_rows: &RowLayout,
-    table: &Tensor<i32>,
-    table_row: usize,
     page_size: FastDivmod<u32>,
     task: &DecodeTask,
     k0: i32,
+    blocks: &Array<u32>,
     k_tile: &mut Shared<[F]>,
     v_tile: &mut Shared<[F]>,
     offset: usize,
@@ -411,14 +489,14 @@ fn copy_step<F: Float>(
             let position = k0 + i32::cast_from(key);
             let to = offset + key * ld + c;
             if position < task.end {
-                let at = cache_slot(
-                    table,
-                    table_row,
-                    task.batch,
-                    usize::cast_from(position),
-                    page_size,
-                    config.paged,
-                );
+                let mut at = CacheSlot {
+                    block: task.batch,
+                    row: usize::cast_from(position),
+                };
+                if comptime!(config.paged) {
+                    at.block = usize::cast_from(blocks[n]);
+                    at.row = usize::cast_from(page_size.modulo(u32::cast_from(position)));
+                }
                 let from = k_rows.offset(at.block, task.head_kv, at.row) + c;
                 copy_async(
                     &k[from..from + COPY],

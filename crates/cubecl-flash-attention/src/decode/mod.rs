@@ -519,6 +519,8 @@ pub fn mma_decode_config(
         softcap: problem.options.softcap.is_some(),
         paged,
         split,
+        // CUDA, the kernel's one runtime, orders memory across cubes.
+        merge: !tuning().merge_is("separate"),
     };
     let fits = config.units() <= limits.max_units_per_cube
         && config.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory;
@@ -801,6 +803,10 @@ pub fn decode(
             DeviceTensor::empty(client, &[1, 1], 4),
         ),
     };
+    let arrivals = match kernel.merges_in_kernel() {
+        true => merge::arrival_counters(client, cubes),
+        false => DeviceTensor::empty(client, &[1], 4),
+    };
     let mask = problem
         .options
         .mask
@@ -887,6 +893,7 @@ pub fn decode(
                 lse.arg(),
                 partial_out.arg(),
                 partial_lse.arg(),
+                arrivals.arg(),
                 rotary_cos.arg(),
                 rotary_sin.arg(),
                 s_new as u32,
@@ -902,7 +909,7 @@ pub fn decode(
             );
         },
     }
-    if kernel.is_split() {
+    if kernel.is_split() && !kernel.merges_in_kernel() {
         let merge_units = merge::merge_units(problem.dim_v, limits.max_units_per_cube);
         let x = rows.min(u16::MAX as usize);
         unsafe {
@@ -967,6 +974,14 @@ impl Kernel {
             Self::Lanes(c) => c.split,
             Self::Staged(c) => c.split,
             Self::Mma(c) => c.split,
+        }
+    }
+
+    /// Whether the split cubes merge their parts themselves (no merge kernel after them).
+    fn merges_in_kernel(&self) -> bool {
+        match self {
+            Self::Mma(c) => c.split && c.merge,
+            Self::Lanes(_) | Self::Staged(_) => false,
         }
     }
 

@@ -138,6 +138,12 @@ impl DecodeTask {
         value
     }
 
+    /// Row `r`'s index among the `[batch, heads_q, seq_q]` rows of the output (the row of
+    /// the splits' partial results).
+    pub fn row_index(&self, r: usize) -> usize {
+        (self.batch * self.heads_q + self.head_q(r)) * self.seq_q + self.query(r)
+    }
+
     /// Writes column `c` of row `r`'s output, normalized: to `out` in the input dtype, or
     /// (`split`) to this split's partial outputs `[splits, rows, d_v]` in f32.
     pub fn write_output<F: Float>(
@@ -151,7 +157,7 @@ impl DecodeTask {
     ) {
         let (head_q, i) = (self.head_q(r), self.query(r));
         if split {
-            let row = (self.batch * self.heads_q + head_q) * self.seq_q + i;
+            let row = self.row_index(r);
             let at = CUBE_POS_X as usize * partial_out.stride(0) + row * partial_out.stride(1) + c;
             partial_out[at] = value;
         } else {
@@ -174,7 +180,7 @@ impl DecodeTask {
     ) {
         let (head_q, i) = (self.head_q(r), self.query(r));
         if split {
-            let row = (self.batch * self.heads_q + head_q) * self.seq_q + i;
+            let row = self.row_index(r);
             let at = CUBE_POS_X as usize * partial_lse.stride(0) + row;
             partial_lse[at] = value;
         } else {

@@ -8,7 +8,9 @@
 //!   kernel's;
 //! - `FLASH_DECODE_TILES=units,block_kv`: the staged kernel's;
 //! - `FLASH_DECODE_RESIDENT=n`: the cubes per multiprocessor the split count fills;
-//! - `FLASH_DECODE_MIN_BLOCKS=n`: the fewest key steps a split reads.
+//! - `FLASH_DECODE_MIN_BLOCKS=n`: the fewest key steps a split reads;
+//! - `FLASH_DECODE_MERGE=separate`: the tensor-core kernel's splits merged by a kernel of
+//!   their own after it, not by their last cube.
 
 use std::sync::OnceLock;
 
@@ -21,6 +23,7 @@ pub(crate) struct Tuning {
     pub tiles: Option<(usize, usize)>,
     pub resident: Option<usize>,
     pub min_blocks: Option<usize>,
+    pub merge: Option<String>,
 }
 
 /// The process's overrides.
@@ -42,6 +45,7 @@ pub(crate) fn tuning() -> &'static Tuning {
             }),
             resident: number("FLASH_DECODE_RESIDENT"),
             min_blocks: number("FLASH_DECODE_MIN_BLOCKS"),
+            merge: var("FLASH_DECODE_MERGE"),
         }
     })
 }
@@ -50,5 +54,10 @@ impl Tuning {
     /// Whether `FLASH_DECODE_KERNEL` names `kernel`.
     pub fn kernel_is(&self, kernel: &str) -> bool {
         self.kernel.as_deref() == Some(kernel)
+    }
+
+    /// Whether `FLASH_DECODE_MERGE` names `merge`.
+    pub fn merge_is(&self, merge: &str) -> bool {
+        self.merge.as_deref() == Some(merge)
     }
 }
