@@ -163,54 +163,107 @@ pub fn merge_when_last<F: Float>(
     }
     sync_storage();
     if last[0] == 1 {
-        let parts = CUBE_COUNT_X as usize;
-        let (part_rows, part_lses) = (partial_out.stride(0), partial_lse.stride(0));
-        #[unroll]
-        for n in 0..comptime!((rows * dim).div_ceil(units)) {
-            let idx = n * units + UNIT_POS as usize;
-            let r = idx / dim;
-            if idx < rows * dim && task.has_row(r) {
-                let c = idx % dim;
-                let row = task.row_index(r);
-                let mut m = neg_inf;
-                for s in 0..parts {
-                    m = max(m, partial_lse[s * part_lses + row]);
-                }
-                let mut total = 0.0f32;
-                let mut o = 0.0f32;
-                let at = row * partial_out.stride(1) + c;
-                let mut s = 0;
-                // Four parts a round, their loads in flight together.
-                while s + 3 < parts {
-                    let w0 = weight(partial_lse[s * part_lses + row], m, neg_inf);
-                    let w1 = weight(partial_lse[(s + 1) * part_lses + row], m, neg_inf);
-                    let w2 = weight(partial_lse[(s + 2) * part_lses + row], m, neg_inf);
-                    let w3 = weight(partial_lse[(s + 3) * part_lses + row], m, neg_inf);
-                    let a = partial_out[s * part_rows + at];
-                    let b = partial_out[(s + 1) * part_rows + at];
-                    let e = partial_out[(s + 2) * part_rows + at];
-                    let f = partial_out[(s + 3) * part_rows + at];
-                    total += (w0 + w1) + (w2 + w3);
-                    o += w0 * a + w1 * b;
-                    o += w2 * e + w3 * f;
-                    s += 4;
-                }
-                while s < parts {
-                    let w = weight(partial_lse[s * part_lses + row], m, neg_inf);
-                    total += w;
-                    o += w * partial_out[s * part_rows + at];
-                    s += 1;
-                }
-                let value = select(total > 0.0, o / total, 0.0);
-                task.write_output(out, partial_out, r, c, value, false);
-                if c == 0 {
-                    let row_lse = select(total > 0.0, m + total.ln(), neg_inf);
-                    task.write_lse(lse, partial_lse, r, row_lse, false);
+        merge_rows(task, partial_out, partial_lse, out, lse, neg_inf, rows, dim, units);
+    }
+}
+
+/// The merge of [`merge_when_last`]: the `rows` rows of the cube's row block over the
+/// `CUBE_COUNT_X` parts. A unit per row first finds the row's largest LSE and its weights'
+/// total in one pass; then every unit adds up its elements of the rows over the parts,
+/// [`PARTS_A_ROUND`] parts at a time, so that a unit has that many times its elements' loads
+/// in flight at once (the parts were just written: the loads hit L2, and their latency,
+/// not their bytes, sets the merge's time).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn merge_rows<F: Float>(
+    task: &DecodeTask,
+    partial_out: &mut Tensor<f32>,
+    partial_lse: &mut Tensor<f32>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    neg_inf: f32,
+    #[comptime] rows: usize,
+    #[comptime] dim: usize,
+    #[comptime] units: usize,
+) {
+    let parts = CUBE_COUNT_X as usize;
+    let (part_rows, part_lses) = (partial_out.stride(0), partial_lse.stride(0));
+    let mut row_top = Shared::<[f32]>::new_slice(rows);
+    let mut row_norm = Shared::<[f32]>::new_slice(rows);
+    let own = UNIT_POS as usize;
+    if own < rows {
+        let mut m = neg_inf;
+        let mut total = 0.0f32;
+        if task.has_row(own) {
+            let row = task.row_index(own);
+            for s in 0..parts {
+                let part = partial_lse[s * part_lses + row];
+                if part != neg_inf {
+                    let top = max(m, part);
+                    total = total * (m - top).exp() + (part - top).exp();
+                    m = top;
                 }
             }
+            let row_lse = select(total > 0.0, m + total.ln(), neg_inf);
+            task.write_lse(lse, partial_lse, own, row_lse, false);
+        }
+        row_top[own] = m;
+        row_norm[own] = select(total > 0.0, 1.0 / total, 0.0);
+    }
+    sync_cube();
+
+    // The unit's elements: element `n` is column `idx % dim` of row `r`, at `out_at[n]` in a
+    // part's outputs and `lse_at[n]` in its LSEs.
+    let per_unit = comptime!((rows * dim).div_ceil(units));
+    let mut out_at = Array::<usize>::new(per_unit);
+    let mut lse_at = Array::<usize>::new(per_unit);
+    let mut top = Array::<f32>::new(per_unit);
+    let mut acc = Array::<f32>::new(per_unit);
+    #[unroll]
+    for n in 0..per_unit {
+        let idx = n * units + own;
+        let r = min(idx / dim, rows - 1);
+        // An element past the rows reads row 0 (in bounds) and is never written.
+        let row = select(idx < rows * dim && task.has_row(r), task.row_index(r), 0);
+        out_at[n] = row * partial_out.stride(1) + idx % dim;
+        lse_at[n] = row;
+        top[n] = row_top[r];
+        acc[n] = 0.0;
+    }
+    let mut s = 0;
+    while s + PARTS_A_ROUND <= parts {
+        #[unroll]
+        for j in 0..PARTS_A_ROUND {
+            #[unroll]
+            for n in 0..per_unit {
+                let part = s + j;
+                let w = weight(partial_lse[part * part_lses + lse_at[n]], top[n], neg_inf);
+                acc[n] += w * partial_out[part * part_rows + out_at[n]];
+            }
+        }
+        s += PARTS_A_ROUND;
+    }
+    while s < parts {
+        #[unroll]
+        for n in 0..per_unit {
+            let w = weight(partial_lse[s * part_lses + lse_at[n]], top[n], neg_inf);
+            acc[n] += w * partial_out[s * part_rows + out_at[n]];
+        }
+        s += 1;
+    }
+    #[unroll]
+    for n in 0..per_unit {
+        let idx = n * units + own;
+        let r = idx / dim;
+        if idx < rows * dim && task.has_row(r) {
+            let value = acc[n] * row_norm[r];
+            task.write_output(out, partial_out, r, idx % dim, value, false);
         }
     }
 }
+
+/// Parts a unit of [`merge_rows`] reads at once.
+const PARTS_A_ROUND: usize = 4;
 
 /// `exp(LSE_s − m)`, 0 for a part that saw no key.
 #[cube]
