@@ -193,6 +193,7 @@ fn main() {
                                         sin,
                                         interleaved: false,
                                     }),
+                                    alibi_slopes: None,
                                 },
                                 dtype,
                                 AttentionOptions::default(),

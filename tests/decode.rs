@@ -29,6 +29,14 @@ struct Serving {
     causal: bool,
     window: (Option<usize>, Option<usize>),
     softcap: Option<f64>,
+    /// ALiBi with the slopes [`alibi_slope`] gives, per sequence and query head.
+    alibi: bool,
+}
+
+/// The ALiBi slope of sequence `b`'s query head `h` in the tests: a different one for each
+/// head and sequence, so a kernel reading another row's slope is caught.
+fn alibi_slope(b: usize, h: usize) -> f64 {
+    0.03 * (h + 1) as f64 + 0.01 * b as f64
 }
 
 impl Serving {
@@ -264,6 +272,10 @@ fn run_turned(
             rope.interleaved,
         )
     });
+    let slopes: Vec<f64> = (0..s.batch * s.heads_q)
+        .map(|n| alibi_slope(n / s.heads_q, n % s.heads_q))
+        .collect();
+    let slopes = upload(client, &slopes, &[s.batch, s.heads_q], FloatDtype::F32);
     let inputs = DecodeInputs {
         q: &q,
         cache: KvCache {
@@ -279,6 +291,7 @@ fn run_turned(
             sin,
             interleaved: *interleaved,
         }),
+        alibi_slopes: s.alibi.then_some(&slopes),
     };
     let result = decode(client, inputs, dtype, s.options(), splits);
     let contents = download_cache(client, s, d, &k, &v, dtype);
@@ -347,8 +360,20 @@ fn check_sequences(
             softcap: s.softcap,
             ..common::case(dims)
         };
-        let want = reference::forward(&dims, &case.reference_options(), q, &k, &v);
-        let low = naive::attention(&case, dtype, q, &k, &v, &vec![0.0; dims.o_len()]);
+        let slopes: Vec<f64> = (0..s.heads_q).map(|h| alibi_slope(seq, h)).collect();
+        let options = reference::ReferenceOptions {
+            alibi_slopes: s.alibi.then(|| slopes.clone()),
+            ..case.reference_options()
+        };
+        let want = reference::forward(&dims, &options, q, &k, &v);
+        let alibi = |_: usize, h: usize, i: usize, j: usize| match s.alibi {
+            true => {
+                -slopes[h] * (i as f64 + dims.seq_kv as f64 - dims.seq_q as f64 - j as f64).abs()
+            }
+            false => 0.0,
+        };
+        let zeros = vec![0.0; dims.o_len()];
+        let low = naive::attention_with_terms(&case, dtype, [q, &k, &v, &zeros], &alibi);
         let got_out = &out[seq * dims.o_len()..][..dims.o_len()];
         let context = format!("sequence {seq} — {context}");
         assert_close("O", got_out, &want.out, &low.out, 2e-5, &context);
@@ -457,6 +482,7 @@ const fn serving(
         causal: false,
         window: (None, None),
         softcap: None,
+        alibi: false,
     }
 }
 
@@ -488,12 +514,13 @@ fn decode_matches_the_oracle() {
             causal: true,
             ..serving(3, 6, 2, 7, 50, 64)
         },
-        // Window and softcap at d = 128, pages of 8, MQA 8:1 with 2 new tokens: on GPUs
-        // two blocks of packed rows, several steps of the vector-load kernel.
+        // Window, softcap and ALiBi at d = 128, pages of 8, MQA 8:1 with 2 new tokens: on
+        // GPUs two blocks of packed rows, several steps of the vector-load kernel.
         Serving {
             page_size: Some(8),
             window: (Some(9), Some(0)),
             softcap: Some(8.0),
+            alibi: true,
             ..serving(3, 8, 1, 2, 60, 128)
         },
         // One page of 256 positions per sequence.
@@ -501,10 +528,11 @@ fn decode_matches_the_oracle() {
             page_size: Some(256),
             ..serving(2, 2, 1, 1, 256, 32)
         },
-        // MQA 8:1 with 3 new tokens, causal: 24 packed rows, on tensor cores a full tile
-        // and a partial one.
+        // MQA 8:1 with 3 new tokens, causal, ALiBi: 24 packed rows, on tensor cores a full
+        // tile and a partial one.
         Serving {
             causal: true,
+            alibi: true,
             ..serving(3, 8, 1, 3, 70, 128)
         },
         // d = 256, pages of 16, softcap.
@@ -636,6 +664,7 @@ fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
         new: None,
         lengths: Lengths::ReadBack,
         rotary: None,
+        alibi_slopes: None,
     };
     let bad = [
         (
@@ -669,6 +698,14 @@ fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
                     block_table: Some(&seqlens),
                     ..base.cache
                 },
+                ..base
+            },
+        ),
+        (
+            // One-dimensional slopes.
+            "alibi_slopes",
+            DecodeInputs {
+                alibi_slopes: Some(&short),
                 ..base
             },
         ),
@@ -755,6 +792,7 @@ fn appends_write_the_cache_in_place() {
             new: Some((&new_k, &new_v)),
             lengths: Lengths::Known(&d.lengths),
             rotary: None,
+            alibi_slopes: None,
         };
         let result = decode(&client, inputs, dtype, s.options(), splits).expect("decode");
         let held = common::bytes_in_use(&client) - before;
@@ -805,6 +843,7 @@ fn a_captured_decode_step_replays_for_later_steps() {
             new: Some((&new_k, &new_v)),
             lengths: Lengths::Known(&captured_lengths),
             rotary: None,
+            alibi_slopes: None,
         };
         decode(&client, inputs, dtype, s.options(), Splits::Exactly(3))
     };

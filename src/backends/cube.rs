@@ -403,6 +403,7 @@ impl FlashAttentionOps for CubeBackend {
                     sin: &sin,
                     interleaved,
                 }),
+                alibi_slopes: None,
             },
             float_dtype(dtype),
             options.attention.kernel_options(),

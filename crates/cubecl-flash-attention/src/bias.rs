@@ -255,10 +255,22 @@ fn broadcast_step(size: usize, stride: usize, i: usize) -> usize {
 fn slope_of(slopes: &Tensor<f32>, batch: usize, head: usize, #[comptime] terms: ScoreTerms) -> f32 {
     let mut slope = 0.0f32;
     if comptime!(terms.alibi) {
-        let b = select(slopes.shape(0) == 1, 0usize, batch);
-        slope = slopes[b * slopes.stride(0) + head * slopes.stride(1)];
+        slope = alibi_slope(slopes, batch, head);
     }
     slope
+}
+
+/// The ALiBi slope of `(batch, head)` in slopes `[b | 1, h_q]`.
+#[cube]
+pub fn alibi_slope(slopes: &Tensor<f32>, batch: usize, head: usize) -> f32 {
+    let b = select(slopes.shape(0) == 1, 0usize, batch);
+    slopes[b * slopes.stride(0) + head * slopes.stride(1)]
+}
+
+/// ALiBi's term at `distance` keys from the diagonal: `−slope · |distance|`.
+#[cube]
+pub fn alibi_term(slope: f32, distance: f32) -> f32 {
+    -slope * Abs::abs(distance)
 }
 
 #[cube]

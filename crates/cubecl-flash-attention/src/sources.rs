@@ -32,11 +32,11 @@ use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
 use crate::decode::{
     append::append_to_cache,
     decode_config,
-    kernel::flash_decode,
-    lanes::flash_decode_lanes,
+    kernel::{DecodeConfig, flash_decode},
+    lanes::{LanesConfig, flash_decode_lanes},
     lanes_config,
     merge::{merge_by_lse, merge_units},
-    mma::flash_decode_mma,
+    mma::{MmaDecodeConfig, flash_decode_mma},
     mma_decode_config,
 };
 use crate::dropout::DropoutArgsCompilationArg;
@@ -596,11 +596,17 @@ fn kernels(
             seq_q: 1,
             ..*problem
         };
+        // ALiBi in the paged, split form of a problem with every option.
+        let alibi = |paged: bool| paged && problem.options.mask.is_masked();
         for (name, paged, split) in [("decode", false, false), ("decode_paged_split", true, true)] {
             kernels.push((
                 name,
                 decode_config(&decode_problem, limits, paged, split)
                     .map_err(err)
+                    .map(|c| DecodeConfig {
+                        alibi: alibi(paged),
+                        ..c
+                    })
                     .map(|c| {
                         Box::new(flash_decode::FlashDecode::new(
                             settings(c.units),
@@ -614,6 +620,7 @@ fn kernels(
                             tensor(),
                             tensor(),
                             (),
+                            tensor(),
                             tensor(),
                             tensor(),
                             tensor(),
@@ -641,6 +648,10 @@ fn kernels(
             let Some(c) = lanes_config(&decode_problem, limits, paged, split) else {
                 continue;
             };
+            let c = LanesConfig {
+                alibi: alibi(paged),
+                ..c
+            };
             kernels.push((
                 name,
                 Ok(Box::new(flash_decode_lanes::FlashDecodeLanes::new(
@@ -655,6 +666,7 @@ fn kernels(
                     tensor(),
                     tensor(),
                     (),
+                    tensor(),
                     tensor(),
                     tensor(),
                     tensor(),
@@ -682,6 +694,10 @@ fn kernels(
             let Some(c) = mma_decode_config(&decode_problem, limits, paged, split) else {
                 continue;
             };
+            let c = MmaDecodeConfig {
+                alibi: alibi(paged),
+                ..c
+            };
             kernels.push((
                 name,
                 Ok(Box::new(flash_decode_mma::FlashDecodeMma::new(
@@ -696,6 +712,7 @@ fn kernels(
                     tensor(),
                     tensor(),
                     (),
+                    tensor(),
                     tensor(),
                     tensor(),
                     tensor(),

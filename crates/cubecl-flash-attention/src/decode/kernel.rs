@@ -46,6 +46,8 @@ pub struct DecodeConfig {
     pub columns: usize,
     pub masked: bool,
     pub softcap: bool,
+    /// ALiBi slopes are added to the scores ([`super::task::AlibiRow`]).
+    pub alibi: bool,
     /// The cache is paged (a block table names the pages).
     pub paged: bool,
     /// The key range is split over cubes: partial outputs in f32 and their LSE, merged after.
@@ -111,6 +113,7 @@ pub fn flash_decode<F: Float>(
     partial_lse: &mut Tensor<f32>,
     rotary_cos: &Tensor<F>,
     rotary_sin: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
     appended: u32,
     page_size: FastDivmod<u32>,
     scale: f32,
@@ -272,11 +275,11 @@ pub fn flash_decode<F: Float>(
             );
             let key = k0 + i32::cast_from(j);
             let visible = in_block && task.sees(r, key, config.masked);
-            let s = select(
-                visible,
-                score(dot, scale, softcap, config.softcap),
-                f32::new(MASKED),
-            );
+            let mut s = score(dot, scale, softcap, config.softcap);
+            if comptime!(config.alibi) {
+                s += task.alibi_row(alibi_slopes, r, true).term(key);
+            }
+            let s = select(visible, s, f32::new(MASKED));
             if config.plane_softmax {
                 let mut row = RunningState {
                     m: row_max[step],

@@ -27,6 +27,7 @@ use cubecl::std::FastDivmod;
 use super::cache::cache_slot;
 use super::stages::{StageBarriers, step_count};
 use super::task::{DecodeTask, write_merged};
+use crate::bias::alibi_term;
 use crate::rotary::RotaryConfig;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability, row_reduce_sum};
@@ -57,6 +58,8 @@ pub struct LanesConfig {
     pub row_groups: usize,
     pub masked: bool,
     pub softcap: bool,
+    /// ALiBi slopes are added to the scores ([`super::task::AlibiRow`]).
+    pub alibi: bool,
     pub paged: bool,
     pub split: bool,
 }
@@ -116,6 +119,7 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     partial_lse: &mut Tensor<f32>,
     rotary_cos: &Tensor<F>,
     rotary_sin: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
     appended: u32,
     page_size: FastDivmod<u32>,
     scale: f32,
@@ -203,6 +207,7 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
             &mut row_max,
             &mut row_sum,
             &mut scores,
+            alibi_slopes,
             scale,
             softcap,
             config,
@@ -223,6 +228,7 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
             &mut row_max,
             &mut row_sum,
             &mut scores,
+            alibi_slopes,
             scale,
             softcap,
             config,
@@ -289,6 +295,7 @@ fn stream_through_registers<F: Float, N: Size>(
     row_max: &mut Array<f32>,
     row_sum: &mut Array<f32>,
     scores: &mut Array<f32>,
+    alibi_slopes: &Tensor<f32>,
     scale: f32,
     softcap: f32,
     #[comptime] config: LanesConfig,
@@ -340,7 +347,19 @@ fn stream_through_registers<F: Float, N: Size>(
             );
         }
         fold_step(
-            task, lane, k0, &keys, &values, q_slice, acc, row_max, row_sum, scores, scale, softcap,
+            task,
+            lane,
+            k0,
+            &keys,
+            &values,
+            q_slice,
+            acc,
+            row_max,
+            row_sum,
+            scores,
+            alibi_slopes,
+            scale,
+            softcap,
             config,
         );
     }
@@ -366,6 +385,7 @@ fn stream_through_shared<F: Float, N: Size>(
     row_max: &mut Array<f32>,
     row_sum: &mut Array<f32>,
     scores: &mut Array<f32>,
+    alibi_slopes: &Tensor<f32>,
     scale: f32,
     softcap: f32,
     #[comptime] config: LanesConfig,
@@ -438,7 +458,19 @@ fn stream_through_shared<F: Float, N: Size>(
             values[u] = v_tile[at];
         }
         fold_step(
-            task, lane, k0, &keys, &values, q_slice, acc, row_max, row_sum, scores, scale, softcap,
+            task,
+            lane,
+            k0,
+            &keys,
+            &values,
+            q_slice,
+            acc,
+            row_max,
+            row_sum,
+            scores,
+            alibi_slopes,
+            scale,
+            softcap,
             config,
         );
     }
@@ -519,6 +551,7 @@ fn fold_step<F: Float, N: Size>(
     row_max: &mut Array<f32>,
     row_sum: &mut Array<f32>,
     scores: &mut Array<f32>,
+    alibi_slopes: &Tensor<f32>,
     scale: f32,
     softcap: f32,
     #[comptime] config: LanesConfig,
@@ -526,6 +559,18 @@ fn fold_step<F: Float, N: Size>(
     let unroll = config.unroll;
     let own = comptime!(config.rows_per_lane());
     let slots = comptime!(config.slots());
+    // The rows' ALiBi, where on: `−slope · |key − center|`.
+    let alibi_rows = comptime!(if config.alibi { own } else { 1 });
+    let mut alibi_slope = Array::<f32>::new(alibi_rows);
+    let mut alibi_center = Array::<f32>::new(alibi_rows);
+    if comptime!(config.alibi) {
+        #[unroll]
+        for r in 0..own {
+            let row = task.alibi_row(alibi_slopes, lane.first + r, true);
+            alibi_slope[r] = row.slope;
+            alibi_center[r] = row.center;
+        }
+    }
     #[unroll]
     for u in 0..unroll {
         let key = Vector::<f32, N>::cast_from(keys[u]);
@@ -539,9 +584,13 @@ fn fold_step<F: Float, N: Size>(
                 dot += products.extract(i);
             }
             let dot = row_reduce_sum(dot, comptime!(config.lanes_per_key()));
+            let mut s = score(dot, scale, softcap, config.softcap);
+            if comptime!(config.alibi) {
+                s += alibi_term(alibi_slope[r], f32::cast_from(position) - alibi_center[r]);
+            }
             scores[u * own + r] = select(
                 task.sees(lane.first + r, position, config.masked),
-                score(dot, scale, softcap, config.softcap),
+                s,
                 f32::new(MASKED),
             );
         }

@@ -163,7 +163,17 @@ pub fn merge_when_last<F: Float>(
     }
     sync_storage();
     if last[0] == 1 {
-        merge_rows(task, partial_out, partial_lse, out, lse, neg_inf, rows, dim, units);
+        merge_rows(
+            task,
+            partial_out,
+            partial_lse,
+            out,
+            lse,
+            neg_inf,
+            rows,
+            dim,
+            units,
+        );
     }
 }
 
@@ -318,9 +328,8 @@ pub fn arrival_counters(client: &Client, count: usize) -> DeviceTensor {
         _ => {
             // f32 zeros are u32 zeros.
             let size = count.next_power_of_two().max(1024);
-            let counters = client.memory_persistent_allocation((), |_| {
-                DeviceTensor::zeros_f32(client, &[size])
-            });
+            let counters = client
+                .memory_persistent_allocation((), |_| DeviceTensor::zeros_f32(client, &[size]));
             kept.insert(key, counters.clone());
             counters
         }

@@ -25,6 +25,7 @@ use super::cache::{CacheSlot, cache_slot};
 use super::merge::merge_when_last;
 use super::stages::{StageBarriers, step_count};
 use super::task::{DecodeTask, write_merged};
+use crate::bias::alibi_term;
 use crate::config::FRAGMENT;
 use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, zeros,
@@ -58,6 +59,8 @@ pub struct MmaDecodeConfig {
     pub stages: usize,
     pub masked: bool,
     pub softcap: bool,
+    /// ALiBi slopes are added to the scores ([`super::task::AlibiRow`]).
+    pub alibi: bool,
     pub paged: bool,
     pub split: bool,
     /// Split cubes merge their parts themselves, the last of a row block to finish
@@ -123,6 +126,7 @@ pub fn flash_decode_mma<F: Float>(
     arrivals: &mut Tensor<Atomic<u32>>,
     rotary_cos: &Tensor<F>,
     rotary_sin: &Tensor<F>,
+    alibi_slopes: &Tensor<f32>,
     appended: u32,
     page_size: FastDivmod<u32>,
     scale: f32,
@@ -187,6 +191,18 @@ pub fn flash_decode_mma<F: Float>(
         }
     }
 
+    // The ALiBi of the lane's rows `group` (0) and `group + 8` (1), where on.
+    let mut alibi_slope = Array::<f32>::new(2usize);
+    let mut alibi_center = Array::<f32>::new(2usize);
+    if comptime!(config.alibi) {
+        #[unroll]
+        for half in 0..2usize {
+            let row = task.alibi_row(alibi_slopes, group + 8 * half, true);
+            alibi_slope[half] = row.slope;
+            alibi_center[half] = row.center;
+        }
+    }
+
     // The plane's output tile and the softmax state of the lane's rows `group` (0) and
     // `group + 8` (1); the row sums stay per lane until the end.
     let mut o_acc = zeros(comptime!(2 * o_tiles));
@@ -204,7 +220,15 @@ pub fn flash_decode_mma<F: Float>(
     let steps = step_count(&task, step);
     // A paged cache's blocks of the next step to copy, looked up a step ahead.
     let mut blocks = Array::<u32>::new(comptime!(config.block_lookups()));
-    look_up_blocks(table, table_row, page_size, &task, task.begin, &mut blocks, config);
+    look_up_blocks(
+        table,
+        table_row,
+        page_size,
+        &task,
+        task.begin,
+        &mut blocks,
+        config,
+    );
     #[unroll]
     for s in 0..comptime!(stages - 1) {
         let t = i32::cast_from(s);
@@ -225,7 +249,15 @@ pub fn flash_decode_mma<F: Float>(
             );
             landed.commit(s, stages);
             let next = task.begin + (t + 1) * i32::cast_from(step);
-            look_up_blocks(table, table_row, page_size, &task, next, &mut blocks, config);
+            look_up_blocks(
+                table,
+                table_row,
+                page_size,
+                &task,
+                next,
+                &mut blocks,
+                config,
+            );
         }
     }
     for t in 0..steps {
@@ -250,7 +282,15 @@ pub fn flash_decode_mma<F: Float>(
             );
             landed.commit(refill, stages);
             let next = task.begin + (ahead + 1) * i32::cast_from(step);
-            look_up_blocks(table, table_row, page_size, &task, next, &mut blocks, config);
+            look_up_blocks(
+                table,
+                table_row,
+                page_size,
+                &task,
+                next,
+                &mut blocks,
+                config,
+            );
         }
 
         // The plane's keys: `block` rows of the stage from `first`, positions from `k0`.
@@ -289,7 +329,13 @@ pub fn flash_decode_mma<F: Float>(
             let mut pair = s_acc[at];
             #[unroll]
             for e in 0..2usize {
-                pair.insert(e, score(pair.extract(e), scale, softcap, config.softcap));
+                let mut s = score(pair.extract(e), scale, softcap, config.softcap);
+                if comptime!(config.alibi) {
+                    let key = k0 + i32::cast_from((at / 2) * TILE_COLS + 2 * in_group + e);
+                    let half = at % 2;
+                    s += alibi_term(alibi_slope[half], f32::cast_from(key) - alibi_center[half]);
+                }
+                pair.insert(e, s);
             }
             s_acc[at] = pair;
         }

@@ -68,6 +68,10 @@ pub struct DecodeInputs<'a> {
     /// positions `cache_seqlens[b] + i`; queries likewise under a causal or window mask,
     /// else all to `cache_seqlens[b]` (FlashAttention's convention).
     pub rotary: Option<Rotary<'a>>,
+    /// ALiBi slopes `[batch | 1, heads_q]` (f32): `−slope · |i + seq_kv − s_q − j|` added
+    /// to the score of query `i` and key `j` ([`crate::bias`]), `seq_kv` the sequence's
+    /// keys after the append.
+    pub alibi_slopes: Option<&'a DeviceTensor>,
 }
 
 /// Where the launcher learns each sequence's length.
@@ -398,6 +402,24 @@ fn check_lengths(
     Ok(lengths.iter().copied().max().unwrap_or(0))
 }
 
+/// Checks ALiBi slopes against the query: `[batch | 1, heads_q]`.
+fn check_alibi(slopes: &DeviceTensor, problem: &AttentionProblem) -> Result<(), FlashError> {
+    let fits = slopes.shape.len() == 2
+        && (slopes.shape[0] == problem.batch || slopes.shape[0] == 1)
+        && slopes.shape[1] == problem.heads_q;
+    match fits {
+        true => Ok(()),
+        false => Err(FlashError::Shape {
+            arg: "alibi_slopes",
+            shape: slopes.shape.clone(),
+            expected: format!(
+                "[{} | 1, {}] (batch, query heads)",
+                problem.batch, problem.heads_q
+            ),
+        }),
+    }
+}
+
 /// Checks the new keys and values against the query and the cache; returns `s_new`.
 fn check_new(inputs: &DecodeInputs, geometry: &CacheGeometry) -> Result<usize, FlashError> {
     match inputs.new {
@@ -443,6 +465,7 @@ pub fn decode_config(
         columns: portable_columns(problem.dim_qk.max(problem.dim_v), limits),
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
+        alibi: false,
         paged,
         split,
         plane_softmax: limits.plane_ops
@@ -517,6 +540,7 @@ pub fn mma_decode_config(
         stages: stages.clamp(2, 3),
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
+        alibi: false,
         paged,
         split,
         // CUDA, the kernel's one runtime, orders memory across cubes.
@@ -594,6 +618,7 @@ pub fn lanes_config(
         stages: stages.clamp(2, 3),
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
+        alibi: false,
         paged,
         split,
     };
@@ -630,6 +655,9 @@ pub fn decode(
         });
     }
     check_dtype(client, dtype)?;
+    if let Some(slopes) = inputs.alibi_slopes {
+        check_alibi(slopes, &problem)?;
+    }
     let s_new = check_new(&inputs, &geometry)?;
     let longest_cached = check_lengths(client, &inputs, &geometry, s_new)?;
     let longest = longest_cached + s_new;
@@ -722,7 +750,9 @@ pub fn decode(
             },
         }),
     };
-    let kernel = kernel.split(splits > 1);
+    let kernel = kernel
+        .split(splits > 1)
+        .alibi(inputs.alibi_slopes.is_some());
     let vector = match kernel {
         Kernel::Lanes(config) => config.vector,
         Kernel::Staged(_) | Kernel::Mma(_) => 1,
@@ -803,6 +833,8 @@ pub fn decode(
             DeviceTensor::empty(client, &[1, 1], 4),
         ),
     };
+    // Without ALiBi the slopes are never read: the lengths stand in for them.
+    let alibi_slopes = inputs.alibi_slopes.unwrap_or(inputs.cache_seqlens);
     let arrivals = match kernel.merges_in_kernel() {
         true => merge::arrival_counters(client, cubes),
         false => DeviceTensor::empty(client, &[1], 4),
@@ -832,6 +864,7 @@ pub fn decode(
                 partial_lse.arg(),
                 rotary_cos.arg(),
                 rotary_sin.arg(),
+                alibi_slopes.arg(),
                 s_new as u32,
                 page_size,
                 problem.scale(),
@@ -864,6 +897,7 @@ pub fn decode(
                 partial_lse.arg(),
                 rotary_cos.arg(),
                 rotary_sin.arg(),
+                alibi_slopes.arg(),
                 s_new as u32,
                 page_size,
                 problem.scale(),
@@ -896,6 +930,7 @@ pub fn decode(
                 arrivals.arg(),
                 rotary_cos.arg(),
                 rotary_sin.arg(),
+                alibi_slopes.arg(),
                 s_new as u32,
                 page_size,
                 problem.scale(),
@@ -966,6 +1001,14 @@ impl Kernel {
             Self::Lanes(c) => Self::Lanes(LanesConfig { split, ..c }),
             Self::Staged(c) => Self::Staged(DecodeConfig { split, ..c }),
             Self::Mma(c) => Self::Mma(MmaDecodeConfig { split, ..c }),
+        }
+    }
+
+    fn alibi(self, alibi: bool) -> Self {
+        match self {
+            Self::Lanes(c) => Self::Lanes(LanesConfig { alibi, ..c }),
+            Self::Staged(c) => Self::Staged(DecodeConfig { alibi, ..c }),
+            Self::Mma(c) => Self::Mma(MmaDecodeConfig { alibi, ..c }),
         }
     }
 

@@ -8,6 +8,7 @@
 
 use cubecl::prelude::*;
 
+use crate::bias::{alibi_slope, alibi_term};
 use crate::mask::Mask;
 use crate::rotary::{RotaryConfig, rotated};
 use crate::softmax::{MASKED, RunningState};
@@ -28,6 +29,8 @@ pub struct DecodeTask {
     pub cached: usize,
     /// The mask against the sequence's keys (`cache_seqlens[b]` plus the appended ones).
     pub mask: Mask,
+    /// The key on query 0's diagonal, `seq_kv − s_q` (bottom-right alignment).
+    pub diagonal: i32,
     /// The keys of this cube's split, `[begin, end)`: a multiple of `step` keys from the
     /// first key any of the sequence's queries sees.
     pub begin: i32,
@@ -80,6 +83,7 @@ impl DecodeTask {
             seq_q,
             cached,
             mask,
+            diagonal: i32::cast_from(seq_kv) - i32::cast_from(seq_q),
             begin,
             end: min(begin + share, key_last),
         }
@@ -138,6 +142,22 @@ impl DecodeTask {
         value
     }
 
+    /// Row `r`'s ALiBi ([`crate::bias`]): its query head's slope in `slopes` `[b | 1,
+    /// h_q]` and its query's diagonal; a zero slope where `alibi` is off or the row is past
+    /// the K/V head's rows.
+    pub fn alibi_row(&self, slopes: &Tensor<f32>, r: usize, #[comptime] alibi: bool) -> AlibiRow {
+        let mut slope = 0.0f32;
+        if alibi {
+            if self.has_row(r) {
+                slope = alibi_slope(slopes, self.batch, self.head_q(r));
+            }
+        }
+        AlibiRow {
+            slope,
+            center: f32::cast_from(self.diagonal + i32::cast_from(self.query(r))),
+        }
+    }
+
     /// Row `r`'s index among the `[batch, heads_q, seq_q]` rows of the output (the row of
     /// the splits' partial results).
     pub fn row_index(&self, r: usize) -> usize {
@@ -187,6 +207,21 @@ impl DecodeTask {
             let at = self.batch * lse.stride(0) + head_q * lse.stride(1) + i * lse.stride(2);
             lse[at] = value;
         }
+    }
+}
+
+/// One row's ALiBi: `−slope · |key − center|` added to its score of `key`.
+#[derive(CubeType, Clone, Copy)]
+pub struct AlibiRow {
+    pub slope: f32,
+    pub center: f32,
+}
+
+#[cube]
+impl AlibiRow {
+    /// The term added to the score of `key`.
+    pub fn term(&self, key: i32) -> f32 {
+        alibi_term(self.slope, f32::cast_from(key) - self.center)
     }
 }
 
