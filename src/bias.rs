@@ -173,6 +173,38 @@ impl AttentionBias {
         self
     }
 
+    /// The ALiBi slopes of a decode call (as f32, checked against `q`'s batch, heads and
+    /// device), the one term the decode kernels add; panics naming any other term.
+    pub(crate) fn into_decode_alibi(self, op: &str, q: &Tensor<4>) -> Option<Tensor<2>> {
+        let others = [
+            ("a bias tensor", self.bias.is_some()),
+            ("a boolean mask", self.mask.is_some()),
+            ("a block mask", self.block_mask.is_some()),
+            ("a score function", self.score_mod.is_some()),
+        ];
+        for (term, present) in others {
+            assert!(
+                !present,
+                "{op}: the decode kernels add ALiBi alone among the score terms, not {term}"
+            );
+        }
+        let slopes = self.alibi_slopes?;
+        let [batch, heads_q, ..] = q.dims();
+        let [b, h] = slopes.dims();
+        assert!(
+            (b == batch || b == 1) && h == heads_q,
+            "{op}: `alibi_slopes` has shape [{b}, {h}], expected [{batch} | 1, {heads_q}] \
+             (batch, query heads)"
+        );
+        assert!(
+            slopes.device() == q.device(),
+            "{op}: `alibi_slopes` is on device {:?}, expected {:?} (the device of `q`)",
+            slopes.device(),
+            q.device()
+        );
+        Some(slopes.cast(DType::F32))
+    }
+
     /// The bias with the mask folded in as −∞, in `dtype`.
     fn folded_bias(self, dtype: burn::tensor::DType) -> (Option<Tensor<4>>, Option<Tensor<2>>) {
         let mask = self.mask.map(|mask| {

@@ -244,6 +244,7 @@ pub(crate) fn decode(
     lengths: &[usize],
     entries: Option<&[i64]>,
     new: Option<(Tensor<4>, Tensor<4>)>,
+    alibi_slopes: Option<Tensor<2>>,
     options: &FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>, crate::serving::KvCache) {
     use burn::tensor::Int;
@@ -316,7 +317,12 @@ pub(crate) fn decode(
             }
             None => t.clone().slice([b..b + 1, 0..t.dims()[1], 0..total]),
         };
-        let (o, lse) = attention(qb, gather(&k), gather(&v), options);
+        // The sequence's slopes (row `b`, or the one row that broadcasts).
+        let slopes = alibi_slopes.as_ref().map(|s| {
+            let row = if s.dims()[0] == 1 { 0 } else { b };
+            s.clone().slice([row..row + 1])
+        });
+        let (o, lse) = attention_biased(qb, gather(&k), gather(&v), None, slopes, options);
         outs.push(o);
         lses.push(lse);
     }

@@ -16,7 +16,8 @@
 //!
 //! - [`flash_attention`] / [`flash_attention_with_lse`]: the op;
 //! - [`flash_attention_with_kvcache`]: serving, new queries against a contiguous or paged
-//!   [`KvCache`] (new keys and values appended in place);
+//!   [`KvCache`] (new keys and values appended in place); with ALiBi through
+//!   [`flash_attention_with_kvcache_biased`];
 //! - [`flash_attention_varlen`]: packed batches of variable-length sequences (no padding),
 //!   forward and backward, delimited by [`PackedSequences`];
 //! - [`warm_up`]: compiles the kernels a model will launch before the first request; with
@@ -47,7 +48,7 @@ pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 pub use options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};
 pub use serving::{
     KvCache, PagedKvCache, RotaryEmbedding, flash_attention_with_kvcache,
-    flash_attention_with_kvcache_and_lse,
+    flash_attention_with_kvcache_and_lse, flash_attention_with_kvcache_biased,
 };
 
 pub use varlen::{PackedSequences, flash_attention_varlen, flash_attention_varlen_with_lse};

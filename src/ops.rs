@@ -133,6 +133,7 @@ pub trait FlashAttentionOps: Backend {
         v_new: FloatTensor<Self>,
         rotary_cos: FloatTensor<Self>,
         rotary_sin: FloatTensor<Self>,
+        alibi_slopes: FloatTensor<Self>,
         options: DecodeOptions,
     ) -> (
         FloatTensor<Self>,
@@ -249,6 +250,7 @@ mod meta {
         _v_new: &TensorSpec,
         _rotary_cos: &TensorSpec,
         _rotary_sin: &TensorSpec,
+        _alibi_slopes: &TensorSpec,
         _options: &DecodeOptions,
     ) -> (TensorSpec, TensorSpec, TensorSpec, TensorSpec) {
         let (b, h, s_q) = (q.shape[0], q.shape[1], q.shape[2]);

@@ -118,6 +118,9 @@ pub struct DecodeOptions {
     /// rotary_dim / 2)`.
     #[serde(default)]
     pub rotary: Option<bool>,
+    /// `alibi_slopes` `[batch | 1, heads_q]` (f32) are added as ALiBi.
+    #[serde(default)]
+    pub alibi: bool,
 }
 
 /// Options of a call with score terms ([`flash_attention_biased`](crate::flash_attention_biased)),

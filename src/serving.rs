@@ -2,11 +2,12 @@
 //! new keys and values appended in place.
 
 use burn::backend::Dispatch;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use cubecl_flash_attention::decode::CacheGeometry;
 use cubecl_flash_attention::rotary::RotaryConfig;
 
 use crate::attention::{check_like_q, kernel_dtype, supports_flash_attention};
+use crate::bias::AttentionBias;
 use crate::fallback;
 use crate::ops::FlashAttentionOps;
 use crate::options::{DecodeOptions, FlashAttentionOptions};
@@ -199,6 +200,36 @@ pub fn flash_attention_with_kvcache_and_lse(
     rotary: Option<RotaryEmbedding>,
     options: FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>, KvCache) {
+    flash_attention_with_kvcache_biased(
+        q,
+        cache,
+        cache_seqlens,
+        new,
+        rotary,
+        AttentionBias::new(),
+        options,
+    )
+}
+
+/// [`flash_attention_with_kvcache_and_lse`] with score terms: ALiBi
+/// ([`AttentionBias::with_alibi`], slopes `[batch | 1, heads_q]`), added as
+/// `−slope · |i + seq_kv − s_q − j|` for query `i` and key `j` of a sequence of `seq_kv`
+/// keys after the append (bottom-right, as the masks), as FlashAttention's `alibi_slopes`.
+///
+/// # Panics
+/// As [`flash_attention_with_kvcache`]; on slopes of another shape or device; and on terms
+/// the decode kernels do not add (a bias tensor, a boolean or block mask, a score
+/// function), naming them.
+pub fn flash_attention_with_kvcache_biased(
+    q: Tensor<4>,
+    cache: KvCache,
+    cache_seqlens: Tensor<1, Int>,
+    new: Option<(Tensor<4>, Tensor<4>)>,
+    rotary: Option<RotaryEmbedding>,
+    terms: AttentionBias,
+    options: FlashAttentionOptions,
+) -> (Tensor<4>, Tensor<3>, KvCache) {
+    let alibi_slopes = terms.into_decode_alibi("flash_attention_with_kvcache", &q);
     let (lengths, table) = validate(
         &q,
         &cache,
@@ -213,7 +244,15 @@ pub fn flash_attention_with_kvcache_and_lse(
             Some(rotary) => fallback::rotate_new(q, new, rotary, &lengths, &options),
             None => (q, new),
         };
-        return fallback::decode(q, cache, &lengths, table.as_deref(), new, &options);
+        return fallback::decode(
+            q,
+            cache,
+            &lengths,
+            table.as_deref(),
+            new,
+            alibi_slopes,
+            &options,
+        );
     }
     let paged = cache.block_table.is_some();
     let append = new.is_some();
@@ -228,6 +267,9 @@ pub fn flash_attention_with_kvcache_and_lse(
         Some(r) => (r.cos.clone().into_dispatch(), r.sin.clone().into_dispatch()),
         None => (q.clone().into_dispatch(), q.clone().into_dispatch()),
     };
+    let alibi = alibi_slopes.is_some();
+    let alibi_slopes =
+        alibi_slopes.unwrap_or_else(|| Tensor::zeros([1, 1], (&q.device(), DType::F32)));
     let (o, lse, k, v) = <Dispatch as FlashAttentionOps>::flash_attention_decode(
         q.into_dispatch(),
         cache.k.into_dispatch(),
@@ -238,12 +280,14 @@ pub fn flash_attention_with_kvcache_and_lse(
         v_new.into_dispatch(),
         rotary_cos,
         rotary_sin,
+        alibi_slopes.into_dispatch(),
         DecodeOptions {
             attention: options,
             paged,
             append,
             lengths,
             rotary: rotary.map(|r| r.interleaved),
+            alibi,
         },
     );
     (

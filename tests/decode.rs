@@ -1098,14 +1098,14 @@ fn rotary_embedding_turns_the_new_queries_and_keys() {
 
 mod op {
     //! The Burn op `flash_attention_with_kvcache`: two decode steps on the test device and on
-    //! Flex (the composed fallback), contiguous and paged, the second with the rotary
-    //! embedding, against the oracle; the cache the op returns carries the appended keys into
-    //! the next step.
+    //! Flex (the composed fallback), contiguous and paged (with ALiBi), the second with the
+    //! rotary embedding, against the oracle; the cache the op returns carries the appended
+    //! keys into the next step.
 
     use burn::tensor::{Device, Int, Tensor, TensorData};
     use burn_flash_attention::{
-        FlashAttentionOptions, KvCache, PagedKvCache, RotaryEmbedding,
-        flash_attention_with_kvcache_and_lse,
+        AttentionBias, FlashAttentionOptions, KvCache, PagedKvCache, RotaryEmbedding,
+        flash_attention_with_kvcache_and_lse, flash_attention_with_kvcache_biased,
     };
 
     use super::*;
@@ -1145,9 +1145,11 @@ mod op {
         let (seed, mut rng) = common::rng();
         for device in [common::burn_device(), Device::flex()] {
             for page_size in [None, Some(3)] {
+                // ALiBi on the paged cache.
                 let s = Serving {
                     page_size,
                     causal: true,
+                    alibi: page_size.is_some(),
                     ..serving(3, 4, 2, 2, 24, 32)
                 };
                 let lengths = vec![5, 0, 9];
@@ -1201,12 +1203,22 @@ mod op {
                             interleaved: r.interleaved,
                         }
                     });
-                    let (out, lse, next) = flash_attention_with_kvcache_and_lse(
+                    let mut terms = AttentionBias::new();
+                    if s.alibi {
+                        let slopes: Vec<f32> = (0..s.batch * s.heads_q)
+                            .map(|n| alibi_slope(n / s.heads_q, n % s.heads_q) as f32)
+                            .collect();
+                        let shape = [s.batch, s.heads_q];
+                        terms = terms
+                            .with_alibi(Tensor::from_data(TensorData::new(slopes, shape), &device));
+                    }
+                    let (out, lse, next) = flash_attention_with_kvcache_biased(
                         q,
                         cache,
                         ints(lens, [s.batch], &device),
                         Some((k_new, v_new)),
                         rotary,
+                        terms,
                         options,
                     );
                     cache = next;
@@ -1245,6 +1257,24 @@ mod op {
                 }
             }
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "not a bias tensor")]
+    fn decode_refuses_the_terms_its_kernels_do_not_add() {
+        let device = common::burn_device();
+        let cache = KvCache::contiguous(1, 1, 4, [8, 8], &device);
+        let q = Tensor::<4>::zeros([1, 2, 1, 8], &device);
+        let bias = Tensor::<4>::zeros([1, 2, 1, 4], &device);
+        let _ = flash_attention_with_kvcache_biased(
+            q,
+            cache,
+            ints(vec![2], [1], &device),
+            None,
+            None,
+            AttentionBias::new().with_bias(bias),
+            FlashAttentionOptions::default(),
+        );
     }
 
     #[test]

@@ -337,6 +337,7 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         v_new: FloatTensor<Self>,
         rotary_cos: FloatTensor<Self>,
         rotary_sin: FloatTensor<Self>,
+        alibi_slopes: FloatTensor<Self>,
         options: DecodeOptions,
     ) -> (
         FloatTensor<Self>,
@@ -354,6 +355,7 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             v_new.into_primitive(),
             rotary_cos.into_primitive(),
             rotary_sin.into_primitive(),
+            alibi_slopes.into_primitive(),
             options,
         );
         (

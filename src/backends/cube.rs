@@ -356,6 +356,7 @@ impl FlashAttentionOps for CubeBackend {
         v_new: FloatTensor<Self>,
         rotary_cos: FloatTensor<Self>,
         rotary_sin: FloatTensor<Self>,
+        alibi_slopes: FloatTensor<Self>,
         options: DecodeOptions,
     ) -> (
         FloatTensor<Self>,
@@ -386,6 +387,7 @@ impl FlashAttentionOps for CubeBackend {
         );
         let (k_new, v_new) = (device_tensor(k_new), device_tensor(v_new));
         let (cos, sin) = (device_tensor(rotary_cos), device_tensor(rotary_sin));
+        let slopes = device_tensor(alibi_slopes);
         let result = decode(
             &client,
             DecodeInputs {
@@ -403,7 +405,7 @@ impl FlashAttentionOps for CubeBackend {
                     sin: &sin,
                     interleaved,
                 }),
-                alibi_slopes: None,
+                alibi_slopes: options.alibi.then_some(&slopes),
             },
             float_dtype(dtype),
             options.attention.kernel_options(),
