@@ -694,8 +694,10 @@ fn kernels(
             let Some(c) = mma_decode_config(&decode_problem, limits, paged, split) else {
                 continue;
             };
+            // The split form merges in the kernel (`merge_when_last`).
             let c = MmaDecodeConfig {
                 alibi: alibi(paged),
+                merge: split,
                 ..c
             };
             kernels.push((

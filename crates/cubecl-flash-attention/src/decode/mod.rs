@@ -34,7 +34,7 @@ pub use lanes::LanesConfig;
 pub use mma::MmaDecodeConfig;
 
 use crate::rotary::{Rotary, RotaryConfig};
-pub use split::{SplitInputs, choose_splits};
+pub use split::{SplitInputs, SplitRule, choose_splits};
 use tuning::tuning;
 
 /// A key/value cache.
@@ -544,7 +544,7 @@ pub fn mma_decode_config(
         paged,
         split,
         // CUDA, the kernel's one runtime, orders memory across cubes.
-        merge: !tuning().merge_is("separate"),
+        merge: tuning().merge_is("last"),
     };
     let fits = config.units() <= limits.max_units_per_cube
         && config.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory;
@@ -747,6 +747,10 @@ pub fn decode(
             max_blocks_per_split: match &kernel {
                 Kernel::Staged(config) => loop_budget::decode_max_blocks(config, &limits),
                 Kernel::Lanes(_) | Kernel::Mma(_) => None,
+            },
+            rule: match tuning().splits.as_deref() {
+                Some("waves") => SplitRule::Waves,
+                _ => SplitRule::Fill,
             },
         }),
     };

@@ -9,8 +9,9 @@
 //! - `FLASH_DECODE_TILES=units,block_kv`: the staged kernel's;
 //! - `FLASH_DECODE_RESIDENT=n`: the cubes per multiprocessor the split count fills;
 //! - `FLASH_DECODE_MIN_BLOCKS=n`: the fewest key steps a split reads;
-//! - `FLASH_DECODE_MERGE=separate`: the tensor-core kernel's splits merged by a kernel of
-//!   their own after it, not by their last cube.
+//! - `FLASH_DECODE_MERGE=last`: the tensor-core kernel's splits merged by the last of them
+//!   to finish ([`super::merge::merge_when_last`]), not by a merge kernel after them;
+//! - `FLASH_DECODE_SPLITS=waves`: the split count by [`super::SplitRule::Waves`].
 
 use std::sync::OnceLock;
 
@@ -24,6 +25,7 @@ pub(crate) struct Tuning {
     pub resident: Option<usize>,
     pub min_blocks: Option<usize>,
     pub merge: Option<String>,
+    pub splits: Option<String>,
 }
 
 /// The process's overrides.
@@ -46,6 +48,7 @@ pub(crate) fn tuning() -> &'static Tuning {
             resident: number("FLASH_DECODE_RESIDENT"),
             min_blocks: number("FLASH_DECODE_MIN_BLOCKS"),
             merge: var("FLASH_DECODE_MERGE"),
+            splits: var("FLASH_DECODE_SPLITS"),
         }
     })
 }
