@@ -694,10 +694,8 @@ fn kernels(
             let Some(c) = mma_decode_config(&decode_problem, limits, paged, split) else {
                 continue;
             };
-            // The split form merges in the kernel (`merge_when_last`).
             let c = MmaDecodeConfig {
                 alibi: alibi(paged),
-                merge: split,
                 ..c
             };
             kernels.push((
@@ -714,7 +712,6 @@ fn kernels(
                     tensor(),
                     tensor(),
                     (),
-                    tensor(),
                     tensor(),
                     tensor(),
                     tensor(),

@@ -13,16 +13,13 @@
 //! `block` keys of a step, runs `S = Q·Kᵀ`, the online softmax on the accumulator registers
 //! and `O += P·V` (as the forward's [`crate::forward::register_mma`]), and keeps its own
 //! softmax state; at the end the planes' partial results meet in shared memory and are
-//! merged by their maxima, as splits are ([`super::task::write_merged`]). A split cube
-//! writes its part, and the last of a row block's splits to finish merges them
-//! ([`super::merge::merge_when_last`]).
+//! merged by their maxima, as splits are ([`super::task::write_merged`]).
 
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 use cubecl::std::FastDivmod;
 
 use super::cache::{CacheSlot, cache_slot};
-use super::merge::merge_when_last;
 use super::stages::{StageBarriers, step_count};
 use super::task::{DecodeTask, write_merged};
 use crate::bias::alibi_term;
@@ -63,9 +60,6 @@ pub struct MmaDecodeConfig {
     pub alibi: bool,
     pub paged: bool,
     pub split: bool,
-    /// Split cubes merge their parts themselves, the last of a row block to finish
-    /// ([`super::merge::merge_when_last`]), instead of a merge kernel after them.
-    pub merge: bool,
 }
 
 impl MmaDecodeConfig {
@@ -123,7 +117,6 @@ pub fn flash_decode_mma<F: Float>(
     lse: &mut Tensor<f32>,
     partial_out: &mut Tensor<f32>,
     partial_lse: &mut Tensor<f32>,
-    arrivals: &mut Tensor<Atomic<u32>>,
     rotary_cos: &Tensor<F>,
     rotary_sin: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
@@ -442,20 +435,6 @@ pub fn flash_decode_mma<F: Float>(
         units,
         config.split,
     );
-    if comptime!(config.split && config.merge) {
-        merge_when_last(
-            &task,
-            arrivals,
-            partial_out,
-            partial_lse,
-            out,
-            lse,
-            neg_inf,
-            rows,
-            config.dim,
-            units,
-        );
-    }
 }
 
 /// Loads into `blocks` the cache block of each copy this unit issues for the step from

@@ -9,9 +9,8 @@
 //! - `FLASH_DECODE_TILES=units,block_kv`: the staged kernel's;
 //! - `FLASH_DECODE_RESIDENT=n`: the cubes per multiprocessor the split count fills;
 //! - `FLASH_DECODE_MIN_BLOCKS=n`: the fewest key steps a split reads;
-//! - `FLASH_DECODE_MERGE=last`: the tensor-core kernel's splits merged by the last of them
-//!   to finish ([`super::merge::merge_when_last`]), not by a merge kernel after them;
-//! - `FLASH_DECODE_SPLITS=waves`: the split count by [`super::SplitRule::Waves`].
+//! - `FLASH_DECODE_SPLITS=waves|fill`: the split count by that [`super::SplitRule`] (the
+//!   tensor-core kernel's default is `waves`, the others' `fill`).
 
 use std::sync::OnceLock;
 
@@ -24,7 +23,6 @@ pub(crate) struct Tuning {
     pub tiles: Option<(usize, usize)>,
     pub resident: Option<usize>,
     pub min_blocks: Option<usize>,
-    pub merge: Option<String>,
     pub splits: Option<String>,
 }
 
@@ -47,7 +45,6 @@ pub(crate) fn tuning() -> &'static Tuning {
             }),
             resident: number("FLASH_DECODE_RESIDENT"),
             min_blocks: number("FLASH_DECODE_MIN_BLOCKS"),
-            merge: var("FLASH_DECODE_MERGE"),
             splits: var("FLASH_DECODE_SPLITS"),
         }
     })
@@ -57,10 +54,5 @@ impl Tuning {
     /// Whether `FLASH_DECODE_KERNEL` names `kernel`.
     pub fn kernel_is(&self, kernel: &str) -> bool {
         self.kernel.as_deref() == Some(kernel)
-    }
-
-    /// Whether `FLASH_DECODE_MERGE` names `merge`.
-    pub fn merge_is(&self, merge: &str) -> bool {
-        self.merge.as_deref() == Some(merge)
     }
 }
