@@ -189,19 +189,7 @@ impl AttentionBias {
             );
         }
         let slopes = self.alibi_slopes?;
-        let [batch, heads_q, ..] = q.dims();
-        let [b, h] = slopes.dims();
-        assert!(
-            (b == batch || b == 1) && h == heads_q,
-            "{op}: `alibi_slopes` has shape [{b}, {h}], expected [{batch} | 1, {heads_q}] \
-             (batch, query heads)"
-        );
-        assert!(
-            slopes.device() == q.device(),
-            "{op}: `alibi_slopes` is on device {:?}, expected {:?} (the device of `q`)",
-            slopes.device(),
-            q.device()
-        );
+        check_alibi(op, &slopes, q);
         Some(slopes.cast(DType::F32))
     }
 
@@ -217,6 +205,24 @@ impl AttentionBias {
         };
         (bias, self.alibi_slopes)
     }
+}
+
+/// Checks ALiBi slopes against `q` `[batch, heads_q, ..]`: `[batch | 1, heads_q]`, on the
+/// device of `q`; panics naming `alibi_slopes` and `op`.
+fn check_alibi(op: &str, slopes: &Tensor<2>, q: &Tensor<4>) {
+    let [batch, heads_q, ..] = q.dims();
+    let [b, h] = slopes.dims();
+    assert!(
+        (b == batch || b == 1) && h == heads_q,
+        "{op}: `alibi_slopes` has shape [{b}, {h}], expected [{batch} | 1, {heads_q}] (batch, \
+         query heads)"
+    );
+    assert!(
+        slopes.device() == q.device(),
+        "{op}: `alibi_slopes` is on device {:?}, expected {:?} (the device of `q`)",
+        slopes.device(),
+        q.device()
+    );
 }
 
 /// [`flash_attention`](crate::flash_attention) with `terms` added to the scores (see
@@ -358,19 +364,6 @@ fn check_terms(problem: &AttentionProblem, terms: &AttentionBias, q: &Tensor<4>)
         );
     }
     if let Some(slopes) = &terms.alibi_slopes {
-        let [b, h] = slopes.dims();
-        assert!(
-            (b == full[0] || b == 1) && h == full[1],
-            "flash_attention_biased: `alibi_slopes` has shape [{b}, {h}], expected [{} | 1, {}] \
-             (batch, query heads)",
-            full[0],
-            full[1]
-        );
-        assert!(
-            slopes.device() == device,
-            "flash_attention_biased: `alibi_slopes` is on device {:?}, expected {device:?} (the \
-             device of `q`)",
-            slopes.device()
-        );
+        check_alibi("flash_attention_biased", slopes, q);
     }
 }

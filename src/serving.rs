@@ -2,7 +2,7 @@
 //! new keys and values appended in place.
 
 use burn::backend::Dispatch;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use cubecl_flash_attention::decode::CacheGeometry;
 use cubecl_flash_attention::rotary::RotaryConfig;
 
@@ -268,8 +268,9 @@ pub fn flash_attention_with_kvcache_biased(
         None => (q.clone().into_dispatch(), q.clone().into_dispatch()),
     };
     let alibi = alibi_slopes.is_some();
+    // Without ALiBi the slopes are never read: `q` stands in for them.
     let alibi_slopes =
-        alibi_slopes.unwrap_or_else(|| Tensor::zeros([1, 1], (&q.device(), DType::F32)));
+        alibi_slopes.map_or_else(|| q.clone().into_dispatch(), |s| s.into_dispatch());
     let (o, lse, k, v) = <Dispatch as FlashAttentionOps>::flash_attention_decode(
         q.into_dispatch(),
         cache.k.into_dispatch(),
@@ -280,7 +281,7 @@ pub fn flash_attention_with_kvcache_biased(
         v_new.into_dispatch(),
         rotary_cos,
         rotary_sin,
-        alibi_slopes.into_dispatch(),
+        alibi_slopes,
         DecodeOptions {
             attention: options,
             paged,

@@ -173,16 +173,7 @@ impl ScoreBias<'_> {
             });
         }
         if let Some(slopes) = self.alibi_slopes {
-            let fits = slopes.shape.len() == 2
-                && (slopes.shape[0] == problem.batch || slopes.shape[0] == 1)
-                && slopes.shape[1] == problem.heads_q;
-            if !fits {
-                return Err(FlashError::Shape {
-                    arg: "alibi_slopes",
-                    shape: slopes.shape.clone(),
-                    expected: format!("[{} | 1, {}] (batch, query heads)", full[0], full[1]),
-                });
-            }
+            check_alibi_slopes(slopes, problem)?;
             terms.alibi = true;
         }
         if let Some(mask) = self.block_mask {
@@ -214,6 +205,27 @@ impl ScoreBias<'_> {
             terms.score_params_grad = true;
         }
         Ok(terms)
+    }
+}
+
+/// Checks ALiBi slopes against `problem`: `[batch | 1, heads_q]`.
+pub fn check_alibi_slopes(
+    slopes: &DeviceTensor,
+    problem: &AttentionProblem,
+) -> Result<(), FlashError> {
+    let fits = slopes.shape.len() == 2
+        && (slopes.shape[0] == problem.batch || slopes.shape[0] == 1)
+        && slopes.shape[1] == problem.heads_q;
+    match fits {
+        true => Ok(()),
+        false => Err(FlashError::Shape {
+            arg: "alibi_slopes",
+            shape: slopes.shape.clone(),
+            expected: format!(
+                "[{} | 1, {}] (batch, query heads)",
+                problem.batch, problem.heads_q
+            ),
+        }),
     }
 }
 

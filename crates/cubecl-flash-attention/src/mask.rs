@@ -87,6 +87,11 @@ impl Mask {
         }
     }
 
+    /// The key on query 0's diagonal, `seq_kv − seq_q` (bottom-right alignment).
+    pub fn diagonal(&self) -> i32 {
+        self.diagonal
+    }
+
     /// Whether query `i` sees key `j` (rows past either end never do).
     pub fn is_visible(&self, i: i32, j: i32) -> bool {
         let from_diagonal = j - (i + self.diagonal);

@@ -25,6 +25,7 @@ use cubecl::std::FastDivmod;
 
 use super::cache::{load_cache_block, store_block};
 use super::task::DecodeTask;
+use crate::bias::alibi_term;
 use crate::mask::Blocks;
 use crate::rotary::RotaryConfig;
 use crate::score::score;
@@ -191,6 +192,19 @@ pub fn flash_decode<F: Float>(
     }
     let mut state = RunningState::init();
     let own_row = UNIT_POS as usize;
+    // The ALiBi of the row each score step scores: the same in every key block.
+    let alibi_steps = comptime!(if config.alibi { pairs } else { 1 });
+    let mut alibi_slope = Array::<f32>::new(alibi_steps);
+    let mut alibi_center = Array::<f32>::new(alibi_steps);
+    if comptime!(config.alibi) {
+        #[unroll]
+        for step in 0..pairs {
+            let r = (step * units + UNIT_POS as usize) / block_kv;
+            let row = task.alibi_row(alibi_slopes, r, true);
+            alibi_slope[step] = row.slope;
+            alibi_center[step] = row.center;
+        }
+    }
 
     // K and V of the next block, in registers.
     let mut k_next = Array::<F>::new(comptime!(config.loads_per_unit(dim_qk)));
@@ -277,7 +291,7 @@ pub fn flash_decode<F: Float>(
             let visible = in_block && task.sees(r, key, config.masked);
             let mut s = score(dot, scale, softcap, config.softcap);
             if comptime!(config.alibi) {
-                s += task.alibi_row(alibi_slopes, r, true).term(key);
+                s += alibi_term(alibi_slope[step], f32::cast_from(key) - alibi_center[step]);
             }
             let s = select(visible, s, f32::new(MASKED));
             if config.plane_softmax {

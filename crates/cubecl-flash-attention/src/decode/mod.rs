@@ -23,6 +23,7 @@ mod tuning;
 
 use cubecl::prelude::*;
 
+use crate::bias::check_alibi_slopes;
 use crate::config::{DeviceLimits, FRAGMENT, portable_columns};
 use crate::error::FlashError;
 use crate::launch::{DeviceTensor, check_dtype, readable_by_16_byte_copies, softcap_arg};
@@ -402,24 +403,6 @@ fn check_lengths(
     Ok(lengths.iter().copied().max().unwrap_or(0))
 }
 
-/// Checks ALiBi slopes against the query: `[batch | 1, heads_q]`.
-fn check_alibi(slopes: &DeviceTensor, problem: &AttentionProblem) -> Result<(), FlashError> {
-    let fits = slopes.shape.len() == 2
-        && (slopes.shape[0] == problem.batch || slopes.shape[0] == 1)
-        && slopes.shape[1] == problem.heads_q;
-    match fits {
-        true => Ok(()),
-        false => Err(FlashError::Shape {
-            arg: "alibi_slopes",
-            shape: slopes.shape.clone(),
-            expected: format!(
-                "[{} | 1, {}] (batch, query heads)",
-                problem.batch, problem.heads_q
-            ),
-        }),
-    }
-}
-
 /// Checks the new keys and values against the query and the cache; returns `s_new`.
 fn check_new(inputs: &DecodeInputs, geometry: &CacheGeometry) -> Result<usize, FlashError> {
     match inputs.new {
@@ -654,7 +637,7 @@ pub fn decode(
     }
     check_dtype(client, dtype)?;
     if let Some(slopes) = inputs.alibi_slopes {
-        check_alibi(slopes, &problem)?;
+        check_alibi_slopes(slopes, &problem)?;
     }
     let s_new = check_new(&inputs, &geometry)?;
     let longest_cached = check_lengths(client, &inputs, &geometry, s_new)?;

@@ -37,11 +37,10 @@ pub struct SplitInputs {
 }
 
 /// How [`choose_splits`] picks the count.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SplitRule {
     /// The fewest splits whose cubes fill the device once (`cubes_per_multiprocessor` per
     /// multiprocessor), each reading at least `min_blocks_per_split` blocks.
-    #[default]
     Fill,
     /// The count that costs the fewest waves times blocks per split (see
     /// [`choose_splits`]).

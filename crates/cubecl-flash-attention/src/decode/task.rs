@@ -29,8 +29,6 @@ pub struct DecodeTask {
     pub cached: usize,
     /// The mask against the sequence's keys (`cache_seqlens[b]` plus the appended ones).
     pub mask: Mask,
-    /// The key on query 0's diagonal, `seq_kv − s_q` (bottom-right alignment).
-    pub diagonal: i32,
     /// The keys of this cube's split, `[begin, end)`: a multiple of `step` keys from the
     /// first key any of the sequence's queries sees.
     pub begin: i32,
@@ -83,7 +81,6 @@ impl DecodeTask {
             seq_q,
             cached,
             mask,
-            diagonal: i32::cast_from(seq_kv) - i32::cast_from(seq_q),
             begin,
             end: min(begin + share, key_last),
         }
@@ -154,7 +151,7 @@ impl DecodeTask {
         }
         AlibiRow {
             slope,
-            center: f32::cast_from(self.diagonal + i32::cast_from(self.query(r))),
+            center: f32::cast_from(self.mask.diagonal() + i32::cast_from(self.query(r))),
         }
     }
 
