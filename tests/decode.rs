@@ -558,6 +558,23 @@ fn decode_matches_the_oracle() {
     }
 }
 
+/// Many parts to merge: 100 splits of caches up to 1200 keys, so the merge takes its parts
+/// in several rounds and rescales between them, while shorter sequences leave most parts
+/// empty (LSE −∞) and an empty sequence all of them.
+#[test]
+fn many_splits_merge_in_rounds() {
+    let client = common::client();
+    let (_, mut rng) = common::rng();
+    let s = Serving {
+        causal: true,
+        ..serving(4, 4, 2, 1, 1200, 64)
+    };
+    for dtype in common::dtypes(&client) {
+        let lengths = edge_lengths(&s, &mut rng);
+        check(&client, &s, dtype, lengths, Splits::Exactly(100));
+    }
+}
+
 #[test]
 fn paged_and_contiguous_caches_give_the_same_bits() {
     let client = common::client();

@@ -12,10 +12,13 @@ use cubecl::prelude::*;
 /// dtype) and `lse` `[batch, heads, seq]`. One cube of `units` units (a power of two, at
 /// least `dim`) per row: the row is `CUBE_POS_Y · CUBE_COUNT_X + CUBE_POS_X`.
 ///
-/// Every step reads the parts side by side, so that the loads are in flight together: the
-/// units take the parts' LSEs for the maximum and the sum (reduced through shared memory),
-/// then the weights of `units` parts at a time, and the `units / dim` groups of units each
-/// add up their share of those parts' outputs for every column.
+/// The merge's time is the latency of its chain of loads, not their bytes (the parts were
+/// just written and sit in L2), so the chain is kept short. The `units / dim` groups of
+/// units take every `groups`-th part, a unit one column; each merges its parts online, as
+/// the forward merges key blocks (a running maximum of the LSEs, the weights' total and the
+/// weighted sum, rescaled when the maximum grows), [`PARTS_A_ROUND`] parts at a time with
+/// all their loads in flight together. The groups then meet once in shared memory and
+/// the first merges their results the same way.
 #[cube(launch_unchecked)]
 pub fn merge_by_lse<F: Float>(
     partial_out: &Tensor<f32>,
@@ -34,71 +37,72 @@ pub fn merge_by_lse<F: Float>(
         terminate!();
     }
     let unit = UNIT_POS as usize;
-    let mut scratch = Shared::<[f32]>::new_slice(units);
-    let mut weights = Shared::<[f32]>::new_slice(units);
-
-    let mut m = neg_inf;
-    let mut s = unit;
-    while s < parts {
-        m = max(m, partial_lse[s * rows + row]);
-        s += units;
-    }
-    let m = reduce(&mut scratch, m, units, true);
-    let mut total = 0.0f32;
-    s = unit;
-    while s < parts {
-        total += weight(partial_lse[s * rows + row], m, neg_inf);
-        s += units;
-    }
-    let total = reduce(&mut scratch, total, units, false);
-    let norm = select(total > 0.0, 1.0 / total, 0.0);
-
     let groups = comptime!(units / dim);
     let c = unit % dim;
     let group = unit / dim;
+
+    // This unit's share: parts `group`, `group + groups`, … of column `c`.
+    let mut top = neg_inf;
+    let mut total = 0.0f32;
     let mut o = 0.0f32;
-    let mut first = 0;
-    while first < parts {
-        sync_cube();
-        let part = first + unit;
-        let mut w = 0.0f32;
-        if part < parts {
-            w = weight(partial_lse[part * rows + row], m, neg_inf);
-        }
-        weights[unit] = w;
-        sync_cube();
-        let count = min(units, parts - first);
-        if group < groups {
-            // Part `first + j`'s value of column `c` is at `base + j · stride`.
-            let stride = rows * dim;
-            let base = (first * rows + row) * dim + c;
-            let mut j = group;
-            // Four parts a round, their loads in flight together.
-            while j + 3 * groups < count {
-                let a = partial_out[base + j * stride];
-                let b = partial_out[base + (j + groups) * stride];
-                let e = partial_out[base + (j + 2 * groups) * stride];
-                let f = partial_out[base + (j + 3 * groups) * stride];
-                o += weights[j] * a + weights[j + groups] * b;
-                o += weights[j + 2 * groups] * e + weights[j + 3 * groups] * f;
-                j += 4 * groups;
+    if group < groups {
+        let mut lses = Array::<f32>::new(PARTS_A_ROUND);
+        let mut values = Array::<f32>::new(PARTS_A_ROUND);
+        let mut first = group;
+        while first < parts {
+            #[unroll]
+            for n in 0..PARTS_A_ROUND {
+                // A part past the last reads the last (in bounds) and weighs nothing.
+                let part = first + n * groups;
+                let at = min(part, parts - 1) * rows + row;
+                lses[n] = select(part < parts, partial_lse[at], neg_inf);
+                values[n] = partial_out[at * dim + c];
             }
-            while j < count {
-                o += weights[j] * partial_out[base + j * stride];
-                j += groups;
+            let mut m = top;
+            #[unroll]
+            for n in 0..PARTS_A_ROUND {
+                m = max(m, lses[n]);
             }
+            let rescale = weight(top, m, neg_inf);
+            total *= rescale;
+            o *= rescale;
+            #[unroll]
+            for n in 0..PARTS_A_ROUND {
+                let w = weight(lses[n], m, neg_inf);
+                total += w;
+                o += w * values[n];
+            }
+            top = m;
+            first += PARTS_A_ROUND * groups;
         }
-        first += units;
     }
-    sync_cube();
-    scratch[unit] = o;
+
+    // The groups' results meet: each group's maximum and total (the same in all its
+    // units) and its units' sums.
+    let mut tops = Shared::<[f32]>::new_slice(groups);
+    let mut totals = Shared::<[f32]>::new_slice(groups);
+    let mut sums = Shared::<[f32]>::new_slice(units);
+    if c == 0 && group < groups {
+        tops[group] = top;
+        totals[group] = total;
+    }
+    sums[unit] = o;
     sync_cube();
     if group == 0 {
+        let mut m = neg_inf;
+        #[unroll]
+        for g in 0..groups {
+            m = max(m, tops[g]);
+        }
+        let mut total = 0.0f32;
         let mut sum = 0.0f32;
         #[unroll]
         for g in 0..groups {
-            sum += scratch[g * dim + c];
+            let w = weight(tops[g], m, neg_inf);
+            total += w * totals[g];
+            sum += w * sums[g * dim + c];
         }
+        let norm = select(total > 0.0, 1.0 / total, 0.0);
         let (heads, seq) = (out.shape(1), out.shape(2));
         let (batch, head, i) = (row / (heads * seq), (row / seq) % heads, row % seq);
         let at =
@@ -111,40 +115,15 @@ pub fn merge_by_lse<F: Float>(
     }
 }
 
-/// `exp(LSE_s − m)`, 0 for a part that saw no key.
+/// Parts a unit of [`merge_by_lse`] reads at once: a row of 33 parts (the most a split
+/// count takes at batch 1 on a 132-multiprocessor GPU) in two rounds where four groups
+/// share it.
+pub const PARTS_A_ROUND: usize = 8;
+
+/// `exp(LSE_s − m)`, 0 for a part that saw no key (and for every part while `m` is −∞).
 #[cube]
 fn weight(part: f32, m: f32, neg_inf: f32) -> f32 {
     select(part == neg_inf, 0.0, (part - m).exp())
-}
-
-/// The maximum (`is_max`) or the sum of every unit's `value`, through `scratch` (`units`
-/// values, a power of two).
-#[cube]
-fn reduce(
-    scratch: &mut Shared<[f32]>,
-    value: f32,
-    #[comptime] units: usize,
-    #[comptime] is_max: bool,
-) -> f32 {
-    let unit = UNIT_POS as usize;
-    sync_cube();
-    scratch[unit] = value;
-    sync_cube();
-    #[unroll]
-    for level in 0..comptime!(units.trailing_zeros() as usize) {
-        let width = comptime!(units >> (level + 1));
-        if unit < width {
-            let other = scratch[unit + width];
-            let mine = scratch[unit];
-            if is_max {
-                scratch[unit] = max(mine, other);
-            } else {
-                scratch[unit] = mine + other;
-            }
-        }
-        sync_cube();
-    }
-    scratch[0]
 }
 
 /// Groups of units that share a row's parts, where the device's cubes hold them: a unit
