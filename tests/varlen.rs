@@ -2,10 +2,10 @@
 //! each sequence alone, on every kernel path of the device.
 
 use burn_flash_attention::kernels::{
-    FloatDtype, KernelPath, PackedSequences,
-    backward::{Gradients, Saved, backward_packed_into},
-    forward::forward_packed_into,
-    reference,
+    FloatDtype, KernelPath, PackedSequences, ScoreBias, TermsGrad,
+    backward::{Gradients, Saved, backward_packed_biased, backward_packed_into},
+    forward::{forward_packed_biased, forward_packed_into},
+    reference::{self, Broadcast4},
 };
 use cubecl::client::Client;
 
@@ -51,6 +51,46 @@ struct Expected {
     dq: Vec<f64>,
     dk: Vec<f64>,
     dv: Vec<f64>,
+    /// `d(bias)` `[b, 1, longest s_q, longest s_kv]`, with terms.
+    dbias: Vec<f64>,
+}
+
+/// Score terms of a packed batch, indexed as in the padded dense batch: a bias `[b, 1,
+/// longest s_q, longest s_kv]` (rounded to the dtype; a sequence reads its top-left corner)
+/// and ALiBi slopes `[b, h_q]`.
+struct PackedTerms {
+    bias: Vec<f64>,
+    slopes: Vec<f64>,
+    longest_q: usize,
+    longest_kv: usize,
+}
+
+impl PackedTerms {
+    fn random(p: &Packed, dtype: FloatDtype, rng: &mut impl rand::Rng) -> Self {
+        let longest_q = p.lengths_q.iter().copied().max().unwrap_or(0);
+        let longest_kv = p.lengths_kv.iter().copied().max().unwrap_or(0);
+        let batch = p.lengths_q.len();
+        let bias = (0..batch * longest_q * longest_kv)
+            .map(|_| common::round(rng.random_range(-2.0..2.0), dtype))
+            .collect();
+        let heads = p.template.dims.heads_q;
+        let slopes = (0..batch * heads).map(|n| 0.05 + 0.07 * n as f64).collect();
+        PackedTerms {
+            bias,
+            slopes,
+            longest_q,
+            longest_kv,
+        }
+    }
+
+    /// Sequence `index`'s bias, `[lq, lk]`.
+    fn bias_of(&self, index: usize, lq: usize, lk: usize) -> Vec<f64> {
+        let at = |i: usize, j: usize| (index * self.longest_q + i) * self.longest_kv + j;
+        (0..lq)
+            .flat_map(|i| (0..lk).map(move |j| (i, j)))
+            .map(|(i, j)| self.bias[at(i, j)])
+            .collect()
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -61,6 +101,7 @@ fn expected(
     k: &[f64],
     v: &[f64],
     d_out: &[f64],
+    terms: Option<&PackedTerms>,
     oracle: bool,
 ) -> Expected {
     let d = p.template.dims;
@@ -72,6 +113,7 @@ fn expected(
         dq: vec![0.0; total_q * d.heads_q * d.dim_qk],
         dk: vec![0.0; total_kv * d.heads_kv * d.dim_qk],
         dv: vec![0.0; total_kv * d.heads_kv * d.dim_v],
+        dbias: vec![0.0; terms.map_or(0, |t| t.bias.len())],
     };
     let (mut q0, mut k0) = (0, 0);
     for (index, (&lq, &lk)) in p.lengths_q.iter().zip(&p.lengths_kv).enumerate() {
@@ -85,15 +127,42 @@ fn expected(
             let sk = sequence_of(k, d.heads_kv, d.dim_qk, k0, lk);
             let sv = sequence_of(v, d.heads_kv, d.dim_v, k0, lk);
             let so = sequence_of(d_out, d.heads_q, d.dim_v, q0, lq);
-            let (out, lse, dq, dk, dv) = if oracle {
-                let opts = one.reference_options();
+            let bias = terms.map(|t| t.bias_of(index, lq, lk));
+            let slopes = terms.map(|t| t.slopes[index * d.heads_q..][..d.heads_q].to_vec());
+            let (out, lse, dq, dk, dv, dbias) = if oracle {
+                let opts = reference::ReferenceOptions {
+                    bias: bias.clone().map(|data| Broadcast4 {
+                        data,
+                        shape: [1, 1, lq, lk],
+                    }),
+                    alibi_slopes: slopes.clone(),
+                    ..one.reference_options()
+                };
                 let f = reference::forward(&one.dims, &opts, &sq, &sk, &sv);
                 let b = reference::backward(&one.dims, &opts, &sq, &sk, &sv, &so);
-                (f.out, f.lse, b.dq, b.dk, b.dv)
+                let dbias = b.d_bias.unwrap_or_default();
+                (f.out, f.lse, b.dq, b.dk, b.dv, dbias)
             } else {
-                let n = naive::attention(&one, dtype, &sq, &sk, &sv, &so);
-                (n.out, n.lse, n.dq, n.dk, n.dv)
+                let term = |_: usize, h: usize, i: usize, j: usize| match (&bias, &slopes) {
+                    (Some(bias), Some(slopes)) => {
+                        let distance = (i as f64 + lk as f64 - lq as f64 - j as f64).abs();
+                        bias[i * lk + j] - slopes[h] * distance
+                    }
+                    _ => 0.0,
+                };
+                let n = naive::attention_with_terms(&one, dtype, [&sq, &sk, &sv, &so], &term);
+                // d(bias) of a bias broadcast over heads: the logits' gradient summed.
+                let dbias = (0..lq * lk)
+                    .map(|ij| (0..d.heads_q).map(|h| n.dlogits[h * lq * lk + ij]).sum())
+                    .collect();
+                (n.out, n.lse, n.dq, n.dk, n.dv, dbias)
             };
+            if let Some(t) = terms {
+                for i in 0..lq {
+                    let row = (index * t.longest_q + i) * t.longest_kv;
+                    e.dbias[row..][..lk].copy_from_slice(&dbias[i * lk..][..lk]);
+                }
+            }
             put_sequence(&mut e.out, &out, d.heads_q, d.dim_v, q0);
             put_sequence(&mut e.dq, &dq, d.heads_q, d.dim_qk, q0);
             put_sequence(&mut e.dk, &dk, d.heads_kv, d.dim_qk, k0);
@@ -109,6 +178,18 @@ fn expected(
 }
 
 fn check_packed(client: &Client, p: &Packed, dtype: FloatDtype, path: KernelPath) {
+    check_packed_terms(client, p, dtype, path, false)
+}
+
+/// [`check_packed`], with `with_terms` a random bias (its gradient too) and ALiBi slopes
+/// per sequence and head ([`PackedTerms`]).
+fn check_packed_terms(
+    client: &Client,
+    p: &Packed,
+    dtype: FloatDtype,
+    path: KernelPath,
+    with_terms: bool,
+) {
     let d = p.template.dims;
     if path == KernelPath::RegisterMma && !(d.dim_qk % 8 == 0 && d.dim_v % 8 == 0) {
         return;
@@ -140,39 +221,84 @@ fn check_packed(client: &Client, p: &Packed, dtype: FloatDtype, path: KernelPath
         upload(client, &v, &shape_v, dtype),
     );
     let t_do = upload(client, &d_out, &shape_o, dtype);
-    let out = poisoned(client, &shape_o, dtype);
-    let lse = poisoned(client, &[d.heads_q, total_q], FloatDtype::F32);
     let options = p.template.options();
-    forward_packed_into(
-        client,
-        [&tq, &tk, &tv],
-        &out,
-        &lse,
-        sequences,
-        dtype,
-        options,
-        path,
-    )
-    .unwrap_or_else(|e| panic!("forward: {e} — {context}"));
-    let grads = Gradients {
-        dq: poisoned(client, &shape_q, dtype),
-        dk: poisoned(client, &shape_k, dtype),
-        dv: poisoned(client, &shape_v, dtype),
+    let terms = with_terms.then(|| PackedTerms::random(p, dtype, &mut rng));
+    let (out, lse, grads, dbias) = match &terms {
+        None => {
+            let out = poisoned(client, &shape_o, dtype);
+            let lse = poisoned(client, &[d.heads_q, total_q], FloatDtype::F32);
+            forward_packed_into(
+                client,
+                [&tq, &tk, &tv],
+                &out,
+                &lse,
+                sequences,
+                dtype,
+                options,
+                path,
+            )
+            .unwrap_or_else(|e| panic!("forward: {e} — {context}"));
+            let grads = Gradients {
+                dq: poisoned(client, &shape_q, dtype),
+                dk: poisoned(client, &shape_k, dtype),
+                dv: poisoned(client, &shape_v, dtype),
+            };
+            let saved = Saved {
+                q: &tq,
+                k: &tk,
+                v: &tv,
+                out: &out,
+                lse: &lse,
+            };
+            backward_packed_into(
+                client, saved, &t_do, &grads, sequences, dtype, options, path,
+            )
+            .unwrap_or_else(|e| panic!("backward: {e} — {context}"));
+            (out, lse, grads, None)
+        }
+        Some(t) => {
+            let batch = p.lengths_q.len();
+            let bias_shape = [batch, 1, t.longest_q, t.longest_kv];
+            let bias = upload(client, &t.bias, &bias_shape, dtype);
+            let slopes = upload(client, &t.slopes, &[batch, d.heads_q], FloatDtype::F32);
+            let terms = ScoreBias {
+                bias: Some(&bias),
+                alibi_slopes: Some(&slopes),
+                ..ScoreBias::none()
+            };
+            // Outputs are fresh allocations: poison the pool they come from.
+            for shape in [&shape_o[..], &shape_q[..], &shape_k[..], &shape_v[..]] {
+                drop(poisoned(client, shape, dtype));
+            }
+            let tensors = [&tq, &tk, &tv];
+            let fwd =
+                forward_packed_biased(client, tensors, sequences, terms, dtype, options, path)
+                    .unwrap_or_else(|e| panic!("forward: {e} — {context}"));
+            let saved = Saved {
+                q: &tq,
+                k: &tk,
+                v: &tv,
+                out: &fwd.out,
+                lse: &fwd.lse,
+            };
+            let grad = TermsGrad {
+                bias: true,
+                ..TermsGrad::default()
+            };
+            let (grads, of_terms) = backward_packed_biased(
+                client, saved, &t_do, sequences, terms, grad, dtype, options, path,
+            )
+            .unwrap_or_else(|e| panic!("backward: {e} — {context}"));
+            (fwd.out, fwd.lse, grads, of_terms.bias)
+        }
     };
-    let saved = Saved {
-        q: &tq,
-        k: &tk,
-        v: &tv,
-        out: &out,
-        lse: &lse,
-    };
-    backward_packed_into(
-        client, saved, &t_do, &grads, sequences, dtype, options, path,
-    )
-    .unwrap_or_else(|e| panic!("backward: {e} — {context}"));
 
-    let want = expected(p, dtype, &q, &k, &v, &d_out, true);
-    let low = expected(p, dtype, &q, &k, &v, &d_out, false);
+    let want = expected(p, dtype, &q, &k, &v, &d_out, terms.as_ref(), true);
+    let low = expected(p, dtype, &q, &k, &v, &d_out, terms.as_ref(), false);
+    if let Some(dbias) = &dbias {
+        let got = download(client, dbias, FloatDtype::F32);
+        assert_close("dBias", &got, &want.dbias, &low.dbias, 1e-4, &context);
+    }
     let got_lse = download(client, &lse, FloatDtype::F32);
     assert_close(
         "O",
@@ -251,6 +377,28 @@ fn packed_batches_match_the_oracle_per_sequence() {
             for path in common::paths(&client, dtype) {
                 check_packed(&client, &p, dtype, path);
             }
+        }
+    }
+}
+
+/// Score terms in a packed batch: each sequence reads its own corner of a bias `[b, 1,
+/// longest s_q, longest s_kv]` and its own ALiBi slopes, at positions within the sequence
+/// (bottom-right causal per sequence, s_q ≠ s_kv both ways, a sequence with queries but no
+/// keys, one without queries); `d(bias)` lands in each sequence's corner, zero elsewhere.
+#[test]
+fn packed_batches_with_terms_match_the_oracle_per_sequence() {
+    let client = common::client();
+    let p = Packed {
+        lengths_q: vec![6, 0, 11, 1, 4],
+        lengths_kv: vec![9, 3, 11, 14, 0],
+        template: Case {
+            causal: true,
+            ..case(dims(0, 4, 2, 0, 0, 32, 32))
+        },
+    };
+    for dtype in common::dtypes(&client) {
+        for path in common::paths(&client, dtype) {
+            check_packed_terms(&client, &p, dtype, path, true);
         }
     }
 }

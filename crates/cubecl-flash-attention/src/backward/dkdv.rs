@@ -113,15 +113,23 @@ pub fn flash_backward_dkdv<F: Float>(
 
     for g in 0..group {
         let head_q = head_kv * group + g;
-        let terms_line =
-            BiasLine::along_queries(bias, alibi_slopes, batch, head_q, key, seq_q, seq_kv, terms);
-        let call = ScoreCall::new(batch, head_q, seq_q, seq_kv);
+        let terms_line = BiasLine::along_queries(
+            bias,
+            alibi_slopes,
+            sequence.index,
+            head_q,
+            key,
+            seq_q,
+            seq_kv,
+            terms,
+        );
+        let call = ScoreCall::new(sequence.index, head_q, seq_q, seq_kv);
         let dropout = dropout.stream(sequence.index, q.shape(1), head_q);
         let (sparse, blocks) = SparseBlocks::of(
             block_words,
             &block_view,
             &mask_blocks,
-            batch,
+            sequence.index,
             head_q,
             k_begin,
             block_q,

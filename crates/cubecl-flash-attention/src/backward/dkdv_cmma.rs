@@ -157,20 +157,20 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
         let terms_line = BiasLine::along_queries(
             bias,
             alibi_slopes,
-            batch,
+            sequence.index,
             head_q,
             k_begin + my_key,
             seq_q,
             seq_kv,
             terms,
         );
-        let call = ScoreCall::new(batch, head_q, seq_q, seq_kv);
+        let call = ScoreCall::new(sequence.index, head_q, seq_q, seq_kv);
         let dropout = dropout.stream(sequence.index, q.shape(1), head_q);
         let (sparse, blocks) = SparseBlocks::of(
             block_words,
             &block_view,
             &mask_blocks,
-            batch,
+            sequence.index,
             head_q,
             k_begin,
             block_q,

@@ -169,7 +169,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         block_words,
         &block_view,
         &mask.query_blocks(k_begin, k_end, block_q, config.masked, terms.dropout),
-        batch,
+        sequence.index,
         head_kv * group_size,
         k_begin,
         block_q,
@@ -444,7 +444,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         let mut fn_slopes = zeros(comptime!(if with_fn { 2 * s_tiles } else { 1 }));
         if comptime!(terms.any()) {
             let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
-            let call = ScoreCall::new(batch, head_q, seq_q, seq_kv);
+            let call = ScoreCall::new(sequence.index, head_q, seq_q, seq_kv);
             base2_scores(
                 &s_acc,
                 &mut logits,
@@ -460,7 +460,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 let line = BiasLine::along_queries(
                     bias,
                     alibi_slopes,
-                    batch,
+                    sequence.index,
                     head_q,
                     key,
                     seq_q,

@@ -103,7 +103,7 @@ pub fn flash_backward_dq<F: Float, G: Numeric>(
         block_words,
         &block_view,
         &mask.key_blocks(q_begin, q_end, block_k, config.masked, false),
-        batch,
+        sequence.index,
         head.head_q,
         q_begin,
         block_k,
@@ -113,15 +113,16 @@ pub fn flash_backward_dq<F: Float, G: Numeric>(
     let terms_line = BiasLine::along_keys(
         bias,
         alibi_slopes,
-        batch,
+        sequence.index,
         head.head_q,
         row,
         seq_q,
         seq_kv,
         terms,
     );
-    let grad_line = BiasGradLine::along_keys(dbias, batch, head.head_q, min(row, seq_q - 1));
-    let call = ScoreCall::new(batch, head.head_q, seq_q, seq_kv);
+    let grad_line =
+        BiasGradLine::along_keys(dbias, sequence.index, head.head_q, min(row, seq_q - 1));
+    let call = ScoreCall::new(sequence.index, head.head_q, seq_q, seq_kv);
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {

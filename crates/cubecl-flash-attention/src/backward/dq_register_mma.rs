@@ -134,7 +134,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
         block_words,
         &block_view,
         &mask.key_blocks(q_begin, q_end, block_k, config.masked, terms.dropout),
-        batch,
+        sequence.index,
         head.head_q,
         q_begin,
         block_k,
@@ -148,7 +148,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
     let terms_line = BiasLine::along_keys(
         bias,
         alibi_slopes,
-        batch,
+        sequence.index,
         head.head_q,
         q_begin + plane_row + group,
         seq_q,
@@ -162,7 +162,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
             let line = BiasLine::along_keys(
                 bias,
                 alibi_slopes,
-                batch,
+                sequence.index,
                 head.head_q,
                 row,
                 seq_q,
@@ -175,7 +175,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
         }
     }
 
-    let call = ScoreCall::new(batch, head.head_q, seq_q, seq_kv);
+    let call = ScoreCall::new(sequence.index, head.head_q, seq_q, seq_kv);
     let mut dq_acc = zeros(comptime!(2 * dq_tiles));
     let mut s_acc = zeros(comptime!(2 * s_tiles));
     let mut dp_acc = zeros(comptime!(2 * s_tiles));
@@ -541,7 +541,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
             for half in 0..2usize {
                 let row = q_begin + plane_row + group + 8 * half;
                 if row < seq_q {
-                    let line = BiasGradLine::along_keys(dbias, batch, head.head_q, row);
+                    let line = BiasGradLine::along_keys(dbias, sequence.index, head.head_q, row);
                     add_grad_columns(
                         dbias, &s_acc, &dp_acc, s_tiles, half, k0_u, seq_kv, &line, terms,
                     );

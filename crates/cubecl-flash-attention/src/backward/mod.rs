@@ -113,6 +113,23 @@ pub fn backward_biased(
 ) -> Result<(Gradients, TermsGradients), FlashError> {
     let Saved { q, k, v, .. } = saved;
     let problem = AttentionProblem::new(&q.shape, &k.shape, &v.shape, dtype, options)?;
+    backward_with_terms(client, saved, d_out, &problem, None, (bias, grad), path)
+}
+
+/// The backward of `problem` with score terms `bias` and the terms' gradients `grad` asks
+/// for: of a dense batch, or of the packed batch `packed` (whose tensors are packed, `out`
+/// `[total_q, h_q, d_v]`, `lse` `[h_q, total_q]`).
+fn backward_with_terms(
+    client: &Client,
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    problem: &AttentionProblem,
+    packed: Option<(&PackedSequences, &PackedSequences)>,
+    (bias, grad): (ScoreBias<'_>, TermsGrad),
+    path: KernelPath,
+) -> Result<(Gradients, TermsGradients), FlashError> {
+    let Saved { q, k, v, .. } = saved;
+    let (problem, dtype, options) = (*problem, problem.dtype, problem.options);
     let mut terms = bias.terms(&problem, grad)?;
     let zeros_like = |t: &DeviceTensor| DeviceTensor::zeros_f32(client, &t.shape);
     let dbias = bias.bias.filter(|_| grad.bias).map(zeros_like);
@@ -121,6 +138,7 @@ pub fn backward_biased(
         .filter(|_| terms.score_params_grad)
         .map(|p| DeviceTensor::zeros_f32_like(client, p));
     if problem.is_empty() || problem.seq_kv == 0 {
+        // No query, or no key: every gradient is zero.
         let shapes = [&q.shape[..], &k.shape[..], &v.shape[..]];
         let terms_grads = TermsGradients {
             bias: dbias,
@@ -153,27 +171,25 @@ pub fn backward_biased(
         dk: DeviceTensor::empty(client, &k.shape, dtype.size()),
         dv: DeviceTensor::empty(client, &v.shape, dtype.size()),
     };
-    check_shapes(
-        saved,
-        d_out,
-        &grads,
-        &problem.out_shape(),
-        &problem.lse_shape(),
-    )?;
+    let (out_shape, lse_shape) = match packed {
+        Some(_) => (
+            vec![q.shape[0], problem.heads_q, problem.dim_v],
+            vec![problem.heads_q, q.shape[0]],
+        ),
+        None => (problem.out_shape().to_vec(), problem.lse_shape().to_vec()),
+    };
+    check_shapes(saved, d_out, &grads, &out_shape, &lse_shape)?;
     let outputs = TermsOutputs {
         dbias: full_dbias.as_ref().or(dbias.as_ref()),
         dparams: dparams.as_ref(),
     };
-    launch(
-        client,
-        saved,
-        d_out,
-        &grads,
-        &problem,
-        None,
-        (bias, terms, outputs),
-        path,
-    )?;
+    let terms = (bias, terms, outputs);
+    match packed {
+        Some(sequences) => launch_packed(
+            client, saved, d_out, &grads, &problem, sequences, terms, path,
+        )?,
+        None => launch(client, saved, d_out, &grads, &problem, None, terms, path)?,
+    }
     if let (Some(full), Some(out)) = (&full_dbias, &dbias) {
         let elements: usize = out.shape.iter().product();
         let cube = 256u32;
@@ -264,6 +280,29 @@ pub fn backward_packed(
     options: AttentionOptions,
     path: KernelPath,
 ) -> Result<Gradients, FlashError> {
+    let (none, no_grad) = (ScoreBias::none(), TermsGrad::default());
+    let sequences = [sequences_q, sequences_kv];
+    backward_packed_biased(
+        client, saved, d_out, sequences, none, no_grad, dtype, options, path,
+    )
+    .map(|(g, _)| g)
+}
+
+/// [`backward_packed`] of [`crate::forward::forward_packed_biased`]: the same score terms
+/// `bias` (each indexed by sequence, head and positions within the sequence), and the
+/// gradients of the terms `grad` asks for.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_packed_biased(
+    client: &Client,
+    saved: Saved<'_>,
+    d_out: &DeviceTensor,
+    [sequences_q, sequences_kv]: [&PackedSequences; 2],
+    bias: ScoreBias<'_>,
+    grad: TermsGrad,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<(Gradients, TermsGradients), FlashError> {
     let problem = packed_problem(
         [saved.q, saved.k, saved.v],
         sequences_q,
@@ -271,23 +310,16 @@ pub fn backward_packed(
         dtype,
         options,
     )?;
-    let shapes = [&saved.q.shape[..], &saved.k.shape[..], &saved.v.shape[..]];
-    if problem.is_empty() || problem.seq_kv == 0 {
-        // No sequence has a query, or none a key: every gradient is zero.
-        return zero_gradients(client, shapes, dtype);
-    }
-    let empty = |shape: &[usize]| DeviceTensor::empty(client, shape, dtype.size());
-    let grads = Gradients {
-        dq: empty(shapes[0]),
-        dk: empty(shapes[1]),
-        dv: empty(shapes[2]),
-    };
-    let out_shape = [saved.q.shape[0], problem.heads_q, problem.dim_v];
-    let lse_shape = [problem.heads_q, saved.q.shape[0]];
-    check_shapes(saved, d_out, &grads, &out_shape, &lse_shape)?;
-    let sequences = (sequences_q, sequences_kv);
-    launch_packed(client, saved, d_out, &grads, &problem, sequences, path)?;
-    Ok(grads)
+    let sequences = Some((sequences_q, sequences_kv));
+    backward_with_terms(
+        client,
+        saved,
+        d_out,
+        &problem,
+        sequences,
+        (bias, grad),
+        path,
+    )
 }
 
 /// [`backward_packed`] into caller-provided gradients (shapes of Q, K, V; any strides).
@@ -315,10 +347,18 @@ pub fn backward_packed_into(
         });
     }
     let sequences = (sequences_q, sequences_kv);
-    launch_packed(client, saved, d_out, grads, &problem, sequences, path)
+    let no_terms = (
+        ScoreBias::none(),
+        ScoreTerms::default(),
+        TermsOutputs::default(),
+    );
+    launch_packed(
+        client, saved, d_out, grads, &problem, sequences, no_terms, path,
+    )
 }
 
 /// [`launch`] on the kernels' `[1, heads, total, dim]` views of a packed batch's tensors.
+#[allow(clippy::too_many_arguments)]
 fn launch_packed(
     client: &Client,
     saved: Saved<'_>,
@@ -326,6 +366,7 @@ fn launch_packed(
     grads: &Gradients,
     problem: &AttentionProblem,
     sequences: (&PackedSequences, &PackedSequences),
+    terms: (ScoreBias<'_>, ScoreTerms, TermsOutputs<'_>),
     path: KernelPath,
 ) -> Result<(), FlashError> {
     let Saved { q, k, v, out, lse } = saved;
@@ -349,11 +390,7 @@ fn launch_packed(
         &views,
         problem,
         Some(sequences),
-        (
-            ScoreBias::none(),
-            ScoreTerms::default(),
-            TermsOutputs::default(),
-        ),
+        terms,
         path,
     )
 }

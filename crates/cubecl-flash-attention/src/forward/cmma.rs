@@ -125,7 +125,7 @@ pub fn flash_forward_cmma<F: Float>(
         block_words,
         &block_view,
         &mask.key_blocks(q_begin, q_end, block_k, config.masked, false),
-        batch,
+        sequence.index,
         head.head_q,
         q_begin,
         block_k,
@@ -135,14 +135,14 @@ pub fn flash_forward_cmma<F: Float>(
     let terms_line = BiasLine::along_keys(
         bias,
         alibi_slopes,
-        batch,
+        sequence.index,
         head.head_q,
         row,
         seq_q,
         seq_kv,
         terms,
     );
-    let call = ScoreCall::new(batch, head.head_q, seq_q, seq_kv);
+    let call = ScoreCall::new(sequence.index, head.head_q, seq_q, seq_kv);
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
 
     for block in 0..blocks.count {

@@ -117,7 +117,29 @@ pub fn forward_packed(
     options: AttentionOptions,
     path: KernelPath,
 ) -> Result<ForwardOutput, FlashError> {
+    let sequences = [sequences_q, sequences_kv];
+    let none = ScoreBias::none();
+    forward_packed_biased(client, [q, k, v], sequences, none, dtype, options, path)
+}
+
+/// [`forward_packed`] with score terms ([`forward_biased`]'s), each indexed as in the dense
+/// batch of the sequences padded to the longest: by sequence, head and positions within the
+/// sequence. A bias is `[b | 1, h_q | 1, longest s_q | 1, longest s_kv | 1]` (a sequence
+/// reads its top-left `s_q × s_kv` corner), ALiBi slopes `[b | 1, h_q]`, a block mask's
+/// blocks those of the padded batch, and a score function sees the sequence as its batch
+/// index.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_packed_biased(
+    client: &Client,
+    [q, k, v]: [&DeviceTensor; 3],
+    [sequences_q, sequences_kv]: [&PackedSequences; 2],
+    bias: ScoreBias<'_>,
+    dtype: FloatDtype,
+    options: AttentionOptions,
+    path: KernelPath,
+) -> Result<ForwardOutput, FlashError> {
     let problem = packed_problem([q, k, v], sequences_q, sequences_kv, dtype, options)?;
+    let terms = bias.terms(&problem, TermsGrad::default())?;
     let total_q = sequences_q.total();
     let out = DeviceTensor::empty(
         client,
@@ -126,7 +148,17 @@ pub fn forward_packed(
     );
     let lse = DeviceTensor::empty(client, &[problem.heads_q, total_q], 4);
     let sequences = (sequences_q, sequences_kv);
-    launch_packed(client, [q, k, v], &out, &lse, &problem, sequences, path)?;
+    let terms = (bias, terms);
+    launch_packed(
+        client,
+        [q, k, v],
+        &out,
+        &lse,
+        &problem,
+        sequences,
+        terms,
+        path,
+    )?;
     Ok(ForwardOutput { out, lse, problem })
 }
 
@@ -148,10 +180,21 @@ pub fn forward_packed_into(
     expect_shape("out", out, &[total_q, problem.heads_q, problem.dim_v])?;
     expect_shape("lse", lse, &[problem.heads_q, total_q])?;
     let sequences = (sequences_q, sequences_kv);
-    launch_packed(client, [q, k, v], out, lse, &problem, sequences, path)
+    let no_terms = (ScoreBias::none(), ScoreTerms::default());
+    launch_packed(
+        client,
+        [q, k, v],
+        out,
+        lse,
+        &problem,
+        sequences,
+        no_terms,
+        path,
+    )
 }
 
 /// [`launch`] on the kernels' `[1, heads, total, dim]` views of a packed batch's tensors.
+#[allow(clippy::too_many_arguments)]
 fn launch_packed(
     client: &Client,
     [q, k, v]: [&DeviceTensor; 3],
@@ -159,6 +202,7 @@ fn launch_packed(
     lse: &DeviceTensor,
     problem: &AttentionProblem,
     sequences: (&PackedSequences, &PackedSequences),
+    terms: (ScoreBias<'_>, ScoreTerms),
     path: KernelPath,
 ) -> Result<(), FlashError> {
     launch(
@@ -168,7 +212,7 @@ fn launch_packed(
         &batch_view(lse),
         problem,
         Some(sequences),
-        (ScoreBias::none(), ScoreTerms::default()),
+        terms,
         path,
     )
 }

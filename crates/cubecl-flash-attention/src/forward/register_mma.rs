@@ -147,7 +147,7 @@ pub fn flash_forward_mma<F: Float>(
         block_words,
         &block_view,
         &mask.key_blocks(q_begin, q_end, block_kv, config.masked, terms.dropout),
-        sequence.batch,
+        sequence.index,
         head.head_q,
         q_begin,
         block_kv,
@@ -161,7 +161,7 @@ pub fn flash_forward_mma<F: Float>(
     let terms_line = BiasLine::along_keys(
         bias,
         alibi_slopes,
-        sequence.batch,
+        sequence.index,
         head.head_q,
         q_begin + plane_row + group,
         seq_q,
@@ -175,7 +175,7 @@ pub fn flash_forward_mma<F: Float>(
             let line = BiasLine::along_keys(
                 bias,
                 alibi_slopes,
-                sequence.batch,
+                sequence.index,
                 head.head_q,
                 row,
                 seq_q,
@@ -440,7 +440,7 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
         if comptime!(terms.score_mod.is_some()) {
-            let call = ScoreCall::new(sequence.batch, head.head_q, seq_q, seq_kv);
+            let call = ScoreCall::new(sequence.index, head.head_q, seq_q, seq_kv);
             #[unroll]
             for r in 0..comptime!(2 * m_tiles) {
                 let (t, half) = (r / 2, r % 2);
