@@ -161,6 +161,29 @@ pub fn flash_decode_mma<F: Float>(
     let group = lane / LANES_PER_ROW;
     let in_group = lane % LANES_PER_ROW;
 
+    // The packed queries (turned by the rotary embedding, in the input dtype), then each
+    // plane's A fragments of them, kept in registers.
+    let mut q_tile =
+        Shared::<[F]>::new_aligned_slice(comptime!(MmaDecodeConfig::TILE_ROWS * ld), 16usize);
+    for n in 0..comptime!((MmaDecodeConfig::TILE_ROWS * config.dim).div_ceil(units)) {
+        let idx = n * units + UNIT_POS as usize;
+        if idx < comptime!(MmaDecodeConfig::TILE_ROWS * config.dim) {
+            let (r, c) = (idx / dim, idx % dim);
+            let value = task.query_value(q, r, c, rotary_cos, rotary_sin, rotary, config.masked);
+            q_tile[r * ld + c] = F::cast_from(value);
+        }
+    }
+    sync_cube();
+    let mut q_frag = Array::<Pair<F>>::new(comptime!(4 * k_steps));
+    #[unroll]
+    for kk in 0..k_steps {
+        let frag = load_a(&q_tile, kk * FRAGMENT, ld, LOADS);
+        #[unroll]
+        for i in 0..4usize {
+            q_frag[kk * 4 + i] = frag[i];
+        }
+    }
+
     // The ALiBi of the lane's rows `group` (0) and `group + 8` (1), where on.
     let mut alibi_slope = Array::<f32>::new(2usize);
     let mut alibi_center = Array::<f32>::new(2usize);
@@ -230,31 +253,6 @@ pub fn flash_decode_mma<F: Float>(
             );
         }
     }
-    // The packed queries (turned by the rotary embedding, in the input dtype), then each
-    // plane's A fragments of them, kept in registers: loaded while the first copies are in
-    // flight, so that a short split does not wait for the two one after the other.
-    let mut q_tile =
-        Shared::<[F]>::new_aligned_slice(comptime!(MmaDecodeConfig::TILE_ROWS * ld), 16usize);
-    #[unroll]
-    for n in 0..comptime!((MmaDecodeConfig::TILE_ROWS * config.dim).div_ceil(units)) {
-        let idx = n * units + UNIT_POS as usize;
-        if idx < comptime!(MmaDecodeConfig::TILE_ROWS * config.dim) {
-            let (r, c) = (idx / dim, idx % dim);
-            let value = task.query_value(q, r, c, rotary_cos, rotary_sin, rotary, config.masked);
-            q_tile[r * ld + c] = F::cast_from(value);
-        }
-    }
-    sync_cube();
-    let mut q_frag = Array::<Pair<F>>::new(comptime!(4 * k_steps));
-    #[unroll]
-    for kk in 0..k_steps {
-        let frag = load_a(&q_tile, kk * FRAGMENT, ld, LOADS);
-        #[unroll]
-        for i in 0..4usize {
-            q_frag[kk * 4 + i] = frag[i];
-        }
-    }
-
     for t in 0..steps {
         let stage = usize::cast_from(t) % stages;
         landed.wait(stage, stages);
