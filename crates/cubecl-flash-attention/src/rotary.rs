@@ -98,7 +98,8 @@ impl RotaryConfig {
 }
 
 /// Column `c` of the row of `t` whose column 0 is at `at` (columns `stride` apart), in f32,
-/// rotated to `position` by `rotary` (`cos`/`sin` as in [`Rotary`]; not read without one).
+/// rotated to `position` by `rotary` (`cos`/`sin` as in [`Rotary`]; not read without one) and
+/// rounded to `F`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn rotated<F: Float>(
@@ -128,7 +129,9 @@ pub fn rotated<F: Float>(
             let y = f32::cast_from(t[at + partner * stride]);
             let cos_i = f32::cast_from(cos[position * cos.stride(0) + i * cos.stride(1)]);
             let sin_i = f32::cast_from(sin[position * sin.stride(0) + i * sin.stride(1)]);
-            value = x * cos_i + select(first, -y, y) * sin_i;
+            // Rounded to the input dtype, as a turned tensor of that dtype holds it (and as
+            // the tensor-core kernels take it): every kernel sees the same queries.
+            value = f32::cast_from(F::cast_from(x * cos_i + select(first, -y, y) * sin_i));
         }
     }
     value
