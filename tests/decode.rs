@@ -1045,7 +1045,8 @@ fn rotary_embedding_turns_the_new_queries_and_keys() {
                 pages: d.pages,
             };
             // Turned keys and queries are held in the dtype, as the kernels hold them.
-            let round = |row: &mut [f64]| row.iter_mut().for_each(|x| *x = common::round(*x, dtype));
+            let round =
+                |row: &mut [f64]| row.iter_mut().for_each(|x| *x = common::round(*x, dtype));
             for (row, key) in turned.new_k.chunks_mut(dk).enumerate() {
                 let seq = row / (hkv * n);
                 rope.turn(key, d.lengths[seq] + row % n);

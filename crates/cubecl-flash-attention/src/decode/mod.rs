@@ -719,24 +719,27 @@ pub fn decode(
                 expected: format!("at least 1, got {n}"),
             });
         }
-        Splits::Auto => choose_splits(SplitInputs {
-            cubes,
-            multiprocessors: limits.multiprocessors,
-            key_blocks,
-            cubes_per_multiprocessor: kernel.resident_cubes(&limits, dtype),
-            min_blocks_per_split: tuning().min_blocks.unwrap_or(split::MIN_BLOCKS_PER_SPLIT),
-            max_blocks_per_split: match &kernel {
-                Kernel::Staged(config) => loop_budget::decode_max_blocks(config, &limits),
-                Kernel::Lanes(_) | Kernel::Mma(_) => None,
-            },
-            rule: match (tuning().splits.as_deref(), &kernel) {
+        Splits::Auto => {
+            let rule = match (tuning().splits.as_deref(), &kernel) {
                 (Some("waves"), _) => SplitRule::Waves,
                 (Some("fill"), _) => SplitRule::Fill,
                 // Measured on the tensor-core kernel (H100): 1.14–1.19× at b = 8.
                 (_, Kernel::Mma(_)) => SplitRule::Waves,
                 (_, Kernel::Lanes(_) | Kernel::Staged(_)) => SplitRule::Fill,
-            },
-        }),
+            };
+            choose_splits(SplitInputs {
+                cubes,
+                multiprocessors: limits.multiprocessors,
+                key_blocks,
+                cubes_per_multiprocessor: kernel.resident_cubes(&limits, dtype),
+                min_blocks_per_split: tuning().min_blocks.unwrap_or(rule.min_blocks_per_split()),
+                max_blocks_per_split: match &kernel {
+                    Kernel::Staged(config) => loop_budget::decode_max_blocks(config, &limits),
+                    Kernel::Lanes(_) | Kernel::Mma(_) => None,
+                },
+                rule,
+            })
+        }
     };
     let kernel = kernel
         .split(splits > 1)
