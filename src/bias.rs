@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use burn::backend::Dispatch;
+use burn::backend::{Dispatch, tensor::FloatTensor};
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use cubecl_flash_attention::AttentionProblem;
@@ -14,7 +14,7 @@ use cubecl_flash_attention::score_mod::{ScoreFn, ScoreMod};
 use crate::attention::{fused_kernels_take, validate};
 use crate::fallback;
 use crate::ops::FlashAttentionOps;
-use crate::options::{BiasedOptions, FlashAttentionOptions};
+use crate::options::{BiasedOptions, FlashAttentionOptions, PackedLengths};
 
 /// What [`flash_attention_biased`] adds to the scores `softcap(q·kᵀ · scale)` after the
 /// causal and window masks, each term broadcast as `[batch | 1, heads_q | 1, seq_q | 1,
@@ -189,7 +189,8 @@ impl AttentionBias {
             );
         }
         let slopes = self.alibi_slopes?;
-        check_alibi(op, &slopes, q);
+        let [batch, heads_q, ..] = q.dims();
+        check_alibi(op, &slopes, [batch, heads_q], &q.device());
         Some(slopes.cast(DType::F32))
     }
 
@@ -207,10 +208,9 @@ impl AttentionBias {
     }
 }
 
-/// Checks ALiBi slopes against `q` `[batch, heads_q, ..]`: `[batch | 1, heads_q]`, on the
-/// device of `q`; panics naming `alibi_slopes` and `op`.
-fn check_alibi(op: &str, slopes: &Tensor<2>, q: &Tensor<4>) {
-    let [batch, heads_q, ..] = q.dims();
+/// Checks ALiBi slopes against `[batch, heads_q]`: `[batch | 1, heads_q]`, on `device` (that
+/// of `q`); panics naming `alibi_slopes` and `op`.
+fn check_alibi(op: &str, slopes: &Tensor<2>, [batch, heads_q]: [usize; 2], device: &Device) {
     let [b, h] = slopes.dims();
     assert!(
         (b == batch || b == 1) && h == heads_q,
@@ -218,10 +218,9 @@ fn check_alibi(op: &str, slopes: &Tensor<2>, q: &Tensor<4>) {
          query heads)"
     );
     assert!(
-        slopes.device() == q.device(),
-        "{op}: `alibi_slopes` is on device {:?}, expected {:?} (the device of `q`)",
+        &slopes.device() == device,
+        "{op}: `alibi_slopes` is on device {:?}, expected {device:?} (the device of `q`)",
         slopes.device(),
-        q.device()
     );
 }
 
@@ -251,32 +250,72 @@ pub fn flash_attention_biased_with_lse(
     terms: AttentionBias,
     options: FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>) {
+    const OP: &str = "flash_attention_biased";
     let problem = validate(&q, &k, &v, &options);
-    check_terms(&problem, &terms, &q);
-    let mut terms = terms;
-    let fused = fused_kernels_take(&q.device(), &problem);
-    if let (Some(score_mod), false) = (terms.score_mod, fused) {
-        panic!(
-            "flash_attention_biased: the score function {} is compiled into the fused kernels, \
-             which do not take this call (device {:?}; they run on CUDA, ROCm and wgpu \
-             devices, within the device's loop budget)",
-            score_mod.name(),
-            q.device()
-        );
-    }
-    if !fused {
-        if let Some(blocks) = terms.block_mask.take() {
-            terms = terms.with_mask(blocks.hidden());
-        }
-        let (bias, slopes) = terms.folded_bias(q.dtype());
+    check_terms(OP, &problem, &terms, &q.device());
+    if !fused_kernels_take_terms(OP, &problem, &terms, &q.device()) {
+        let (bias, slopes) = terms.composed(q.dtype());
         return fallback::attention_biased(q, k, v, bias, slopes, &options);
     }
+    let (device, dtype) = (q.device(), q.dtype());
+    let absent = q.clone().detach();
+    let qkv = [q, k, v].map(Tensor::into_dispatch);
+    let (o, lse) = fused_biased(qkv, (&device, dtype, absent), terms, options, None);
+    (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
+}
+
+impl AttentionBias {
+    /// The terms as the composed fallback adds them: a block mask as the boolean mask it
+    /// summarises, folded with the bias ([`AttentionBias::folded_bias`]).
+    pub(crate) fn composed(mut self, dtype: DType) -> (Option<Tensor<4>>, Option<Tensor<2>>) {
+        if let Some(blocks) = self.block_mask.take() {
+            self = self.with_mask(blocks.hidden());
+        }
+        self.folded_bias(dtype)
+    }
+}
+
+/// Whether the fused kernels take a call with `terms` (see [`fused_kernels_take`]); panics
+/// where they do not and a score function, which only they can run, is among the terms.
+pub(crate) fn fused_kernels_take_terms(
+    op: &str,
+    problem: &AttentionProblem,
+    terms: &AttentionBias,
+    device: &Device,
+) -> bool {
+    let fused = fused_kernels_take(device, problem);
+    if let (Some(score_mod), false) = (terms.score_mod, fused) {
+        panic!(
+            "{op}: the score function {} is compiled into the fused kernels, which do not take \
+             this call (device {device:?}; they run on CUDA, ROCm and wgpu devices, within the \
+             device's loop budget)",
+            score_mod.name(),
+        );
+    }
+    fused
+}
+
+/// The fused forward with `terms` of `q`, `k`, `v` (dense, or packed by `packed`: the
+/// sequences' offsets and lengths) on `device` in `dtype`: `(O, LSE)` as the backend
+/// extension returns them. `absent` (untracked, in `dtype`) stands in for an absent bias.
+pub(crate) fn fused_biased(
+    [q, k, v]: [FloatTensor<Dispatch>; 3],
+    (device, dtype, absent): (&Device, DType, Tensor<4>),
+    mut terms: AttentionBias,
+    options: FlashAttentionOptions,
+    packed: Option<([Tensor<1, Int>; 2], PackedLengths)>,
+) -> (FloatTensor<Dispatch>, FloatTensor<Dispatch>) {
     let block_mask = terms.block_mask.take();
     let score_mod = terms.score_mod.take();
     let params = terms.score_params.take();
-    let (bias, slopes) = terms.folded_bias(q.dtype());
+    let (bias, slopes) = terms.folded_bias(dtype);
+    let (offsets, packed) = match packed {
+        Some((offsets, lengths)) => (Some(offsets), Some(lengths)),
+        None => (None, None),
+    };
     let options = BiasedOptions {
         attention: options,
+        packed,
         bias: bias.is_some(),
         alibi: slopes.is_some(),
         bias_grad: false,
@@ -286,39 +325,44 @@ pub fn flash_attention_biased_with_lse(
         score_params_grad: false,
     };
     // Absent terms pass untracked placeholders the kernels never read.
-    let bias = bias.unwrap_or_else(|| q.clone().detach());
-    let slopes = slopes.unwrap_or_else(|| Tensor::zeros([1, 1], (&q.device(), DType::F32)));
-    let words = block_mask.map_or_else(
-        || Tensor::zeros([1], (&q.device(), DType::I32)),
-        |m| m.words,
-    );
+    let bias = bias.unwrap_or(absent);
+    let slopes = slopes.unwrap_or_else(|| Tensor::zeros([1, 1], (device, DType::F32)));
+    let words = block_mask.map_or_else(|| Tensor::zeros([1], (device, DType::I32)), |m| m.words);
     let params = params.map_or_else(
-        || Tensor::zeros([1, 1], (&q.device(), DType::F32)),
+        || Tensor::zeros([1, 1], (device, DType::F32)),
         |p| p.cast(DType::F32),
     );
-    let (o, lse) = <Dispatch as FlashAttentionOps>::flash_attention_biased_fwd(
-        q.into_dispatch(),
-        k.into_dispatch(),
-        v.into_dispatch(),
+    let [cu_q, cu_k] =
+        offsets.unwrap_or_else(|| [0, 1].map(|_| Tensor::zeros([1], (device, DType::I32))));
+    <Dispatch as FlashAttentionOps>::flash_attention_biased_fwd(
+        q,
+        k,
+        v,
         bias.into_dispatch(),
         slopes.detach().into_dispatch(),
         words.into_dispatch(),
         params.into_dispatch(),
+        cu_q.into_dispatch(),
+        cu_k.into_dispatch(),
         options,
-    );
-    (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
+    )
 }
 
 /// Panics, naming the argument, unless the bias and the mask broadcast to the scores `[b,
 /// h_q, s_q, s_kv]`, the slopes are `[b | 1, h_q]`, and all are on the device of `q`.
-fn check_terms(problem: &AttentionProblem, terms: &AttentionBias, q: &Tensor<4>) {
+pub(crate) fn check_terms(
+    op: &str,
+    problem: &AttentionProblem,
+    terms: &AttentionBias,
+    device: &Device,
+) {
     let full = [
         problem.batch,
         problem.heads_q,
         problem.seq_q,
         problem.seq_kv,
     ];
-    let device = q.device();
+    let device = device.clone();
     let tensors = [
         terms.bias.as_ref().map(|t| ("bias", t.dims(), t.device())),
         terms.mask.as_ref().map(|t| ("mask", t.dims(), t.device())),
@@ -326,8 +370,8 @@ fn check_terms(problem: &AttentionProblem, terms: &AttentionBias, q: &Tensor<4>)
     for (arg, dims, t_device) in tensors.into_iter().flatten() {
         assert!(
             dims.iter().zip(full).all(|(&n, f)| n == f || n == 1),
-            "flash_attention_biased: `{arg}` has shape {dims:?}, expected [{} | 1, {} | 1, {} \
-             | 1, {} | 1] (batch, query heads, queries, keys)",
+            "{op}: `{arg}` has shape {dims:?}, expected [{} | 1, {} | 1, {} | 1, {} | 1] \
+             (batch, query heads, queries, keys)",
             full[0],
             full[1],
             full[2],
@@ -335,35 +379,33 @@ fn check_terms(problem: &AttentionProblem, terms: &AttentionBias, q: &Tensor<4>)
         );
         assert!(
             t_device == device,
-            "flash_attention_biased: `{arg}` is on device {t_device:?}, expected {device:?} \
-             (the device of `q`)"
+            "{op}: `{arg}` is on device {t_device:?}, expected {device:?} (the device of `q`)"
         );
     }
     if let Some(blocks) = &terms.block_mask {
         if let Err(e) = blocks.layout.check(full) {
-            panic!("flash_attention_biased: {e}");
+            panic!("{op}: {e}");
         }
         let t_device = blocks.words.device();
         assert!(
             t_device == device,
-            "flash_attention_biased: `block_mask` is on device {t_device:?}, expected {device:?} \
-             (the device of `q`)"
+            "{op}: `block_mask` is on device {t_device:?}, expected {device:?} (the device of \
+             `q`)"
         );
     }
     if let Some(params) = &terms.score_params {
         assert!(
             terms.score_mod.is_some(),
-            "flash_attention_biased: `score_params` without a score function to read them \
+            "{op}: `score_params` without a score function to read them \
              (AttentionBias::with_score_mod)"
         );
         assert!(
             params.device() == device,
-            "flash_attention_biased: `score_params` is on device {:?}, expected {device:?} (the \
-             device of `q`)",
+            "{op}: `score_params` is on device {:?}, expected {device:?} (the device of `q`)",
             params.device()
         );
     }
     if let Some(slopes) = &terms.alibi_slopes {
-        check_alibi("flash_attention_biased", slopes, q);
+        check_alibi(op, slopes, [problem.batch, problem.heads_q], &device);
     }
 }

@@ -128,17 +128,22 @@ fn dropout_factors(
     Tensor::from_data(TensorData::new(factors, shape), device)
 }
 
-/// [`attention`] within each sequence of a packed batch (`q` `[total_q, h_q, d]`, `k`/`v`
-/// `[total_kv, h_kv, d]`, the sequences' lengths given): `(O [total_q, h_q, d_v], LSE
-/// [h_q, total_q])`, one composed attention per sequence.
-pub(crate) fn attention_packed(
+/// [`attention_biased`] within each sequence of a packed batch (`q` `[total_q, h_q, d]`,
+/// `k`/`v` `[total_kv, h_kv, d]`, the sequences' lengths given): `(O [total_q, h_q, d_v],
+/// LSE [h_q, total_q])`, one composed attention per sequence. Sequence `i` reads the
+/// terms as the padded dense batch does: `bias[i, .., ..s_q(i), ..s_kv(i)]` (each
+/// dimension of size 1 broadcast) and its row of `alibi_slopes` `[b | 1, h_q]`.
+pub(crate) fn attention_packed_biased(
     q: Tensor<3>,
     k: Tensor<3>,
     v: Tensor<3>,
-    lengths_q: &[usize],
-    lengths_k: &[usize],
+    (lengths_q, lengths_k): (&[usize], &[usize]),
+    bias: Option<Tensor<4>>,
+    alibi_slopes: Option<Tensor<2>>,
     options: &FlashAttentionOptions,
 ) -> (Tensor<3>, Tensor<2>) {
+    // Index `at` along a dimension of `size` that broadcasts where it is 1.
+    let pick = |size: usize, at: std::ops::Range<usize>| if size == 1 { 0..1 } else { at };
     let [total_q, heads_q, _] = q.dims();
     let dim_v = v.dims()[2];
     let device = q.device();
@@ -158,12 +163,25 @@ pub(crate) fn attention_packed(
             let hidden = Tensor::<2>::full([heads_q, len_q], f32::NEG_INFINITY, &device);
             lses.push(hidden.cast(FloatDType::F32));
         } else if len_q > 0 {
+            let bias = bias.as_ref().map(|b| {
+                let [bb, hh, sq, sk] = b.dims();
+                b.clone().slice([
+                    pick(bb, index..index + 1),
+                    0..hh,
+                    pick(sq, 0..len_q),
+                    pick(sk, 0..len_k),
+                ])
+            });
+            let slopes = alibi_slopes.as_ref().map(|s| {
+                let [bb, hh] = s.dims();
+                s.clone().slice([pick(bb, index..index + 1), 0..hh])
+            });
             let (o, lse) = attention_from_batch(
                 sequence(&q, q0, len_q),
                 sequence(&k, k0, len_k),
                 sequence(&v, k0, len_k),
-                None,
-                None,
+                bias,
+                slopes,
                 options,
                 index,
             );

@@ -45,13 +45,18 @@ pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_at
 pub use bias::{AttentionBias, BlockMask, flash_attention_biased, flash_attention_biased_with_lse};
 pub use dropout::{Dropout, next_dropout, seed_dropout};
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
-pub use options::{BiasedOptions, DecodeOptions, FlashAttentionOptions, VarlenOptions};
+pub use options::{
+    BiasedOptions, DecodeOptions, FlashAttentionOptions, PackedLengths, VarlenOptions,
+};
 pub use serving::{
     KvCache, PagedKvCache, RotaryEmbedding, flash_attention_with_kvcache,
     flash_attention_with_kvcache_and_lse, flash_attention_with_kvcache_biased,
 };
 
-pub use varlen::{PackedSequences, flash_attention_varlen, flash_attention_varlen_with_lse};
+pub use varlen::{
+    PackedSequences, flash_attention_varlen, flash_attention_varlen_biased,
+    flash_attention_varlen_biased_with_lse, flash_attention_varlen_with_lse,
+};
 #[cfg(feature = "kernel-cache")]
 pub use warm_up::enable_kernel_cache;
 pub use warm_up::{WarmUp, warm_up};

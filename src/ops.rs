@@ -44,6 +44,10 @@ pub trait FlashAttentionOps: Backend {
     /// hides a key), ALiBi `alibi_slopes` `[b | 1, h_q]`, a block mask's words
     /// `block_mask` (32-bit, laid out as `options.block_mask` says) and the parameters of
     /// `options.score_mod`, `score_params` (f32), each where `options` says it is present.
+    /// With `options.packed`, a packed batch as
+    /// [`flash_attention_varlen_fwd`](Self::flash_attention_varlen_fwd) takes it, delimited
+    /// by `cu_seqlens_q` and `cu_seqlens_k` (otherwise ignored placeholders), each term
+    /// indexed as in the dense batch of the sequences padded to the longest.
     #[fusion(meta = meta::biased_forward)]
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_biased_fwd(
@@ -54,6 +58,8 @@ pub trait FlashAttentionOps: Backend {
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
         score_params: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
         options: BiasedOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
@@ -71,6 +77,8 @@ pub trait FlashAttentionOps: Backend {
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
         score_params: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
         o: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
@@ -159,9 +167,21 @@ mod meta {
         _alibi_slopes: &TensorSpec,
         _block_mask: &TensorSpec,
         _score_params: &TensorSpec,
+        cu_seqlens_q: &TensorSpec,
+        cu_seqlens_k: &TensorSpec,
         options: &BiasedOptions,
     ) -> (TensorSpec, TensorSpec) {
-        forward(q, k, v, &options.attention)
+        match &options.packed {
+            Some(packed) => {
+                let options = VarlenOptions {
+                    attention: options.attention,
+                    lengths_q: packed.lengths_q.clone(),
+                    lengths_k: packed.lengths_k.clone(),
+                };
+                varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, &options)
+            }
+            None => forward(q, k, v, &options.attention),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -173,6 +193,8 @@ mod meta {
         _alibi_slopes: &TensorSpec,
         _block_mask: &TensorSpec,
         score_params: &TensorSpec,
+        _cu_seqlens_q: &TensorSpec,
+        _cu_seqlens_k: &TensorSpec,
         _o: &TensorSpec,
         _lse: &TensorSpec,
         _d_o: &TensorSpec,

@@ -127,9 +127,13 @@ pub struct DecodeOptions {
 /// as the backend extension receives them: which of its `bias`, `alibi_slopes`,
 /// `block_mask` and `score_params` tensors are present (absent ones are ignored
 /// placeholders), and the score function.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct BiasedOptions {
     pub attention: FlashAttentionOptions,
+    /// A packed batch ([`flash_attention_varlen_biased`](crate::flash_attention_varlen_biased)):
+    /// the lengths its `cu_seqlens_q` and `cu_seqlens_k` hold, as checked on the host; `q`,
+    /// `k`, `v` and `o` are packed `[total, heads, dim]` and the LSE `[h_q, total_q]`.
+    pub packed: Option<PackedLengths>,
     /// An additive bias `[b | 1, h_q | 1, s_q | 1, s_kv | 1]` in the dtype of `q`.
     pub bias: bool,
     /// ALiBi slopes `[b | 1, h_q]`.
@@ -145,4 +149,11 @@ pub struct BiasedOptions {
     /// The backward returns the parameters' gradient (otherwise the parameters themselves,
     /// as a placeholder).
     pub score_params_grad: bool,
+}
+
+/// The sequence lengths of a packed batch, as checked on the host.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PackedLengths {
+    pub lengths_q: Vec<usize>,
+    pub lengths_k: Vec<usize>,
 }

@@ -7,9 +7,10 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use cubecl_flash_attention::{AttentionProblem, PackedSequences as KernelSequences};
 
 use crate::attention::{check_like_q, fused_kernels_take, kernel_dtype};
+use crate::bias::{AttentionBias, check_terms, fused_biased, fused_kernels_take_terms};
 use crate::fallback;
 use crate::ops::FlashAttentionOps;
-use crate::options::{FlashAttentionOptions, VarlenOptions};
+use crate::options::{FlashAttentionOptions, PackedLengths, VarlenOptions};
 use crate::serving::host_ints;
 
 const OP: &str = "flash_attention_varlen";
@@ -130,7 +131,8 @@ pub fn flash_attention_varlen_with_lse(
     let problem = validate(&q, &k, &v, sequences_q, sequences_k, &options);
     let (lengths_q, lengths_k) = (sequences_q.lengths(), sequences_k.lengths());
     if !fused_kernels_take(&q.device(), &problem) {
-        return fallback::attention_packed(q, k, v, lengths_q, lengths_k, &options);
+        let lengths = (lengths_q, lengths_k);
+        return fallback::attention_packed_biased(q, k, v, lengths, None, None, &options);
     }
     let (o, lse) = <Dispatch as FlashAttentionOps>::flash_attention_varlen_fwd(
         q.into_dispatch(),
@@ -144,6 +146,65 @@ pub fn flash_attention_varlen_with_lse(
             lengths_k: lengths_k.to_vec(),
         },
     );
+    (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
+}
+
+/// [`flash_attention_varlen`] with score terms ([`AttentionBias`], as
+/// [`flash_attention_biased`](crate::flash_attention_biased) takes them), each indexed as in
+/// the dense batch of the sequences padded to the longest: a bias or mask `[b | 1, h_q | 1,
+/// longest s_q | 1, longest s_kv | 1]` (sequence `i` reads `[i, .., ..s_q(i), ..s_kv(i)]`),
+/// ALiBi slopes `[b | 1, h_q]`, a block mask over the padded batch's blocks, a score
+/// function whose batch index is the sequence and whose positions are within it. Under
+/// autodiff the bias and the score function's parameters get their gradients. On
+/// backends without the fused kernels it is composed sequence by sequence (a score
+/// function, which only the kernels run, panics there).
+///
+/// # Panics
+/// As [`flash_attention_varlen`], and on terms of the wrong shape, dtype or device, with a
+/// message naming the argument.
+pub fn flash_attention_varlen_biased(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    sequences_q: &PackedSequences,
+    sequences_k: &PackedSequences,
+    terms: AttentionBias,
+    options: FlashAttentionOptions,
+) -> Tensor<3> {
+    flash_attention_varlen_biased_with_lse(q, k, v, sequences_q, sequences_k, terms, options).0
+}
+
+/// [`flash_attention_varlen_biased`], also returning the LSE `[heads_q, total_q]` (f32, not
+/// tracked by autodiff).
+pub fn flash_attention_varlen_biased_with_lse(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    sequences_q: &PackedSequences,
+    sequences_k: &PackedSequences,
+    terms: AttentionBias,
+    options: FlashAttentionOptions,
+) -> (Tensor<3>, Tensor<2>) {
+    const OP: &str = "flash_attention_varlen_biased";
+    let problem = validate(&q, &k, &v, sequences_q, sequences_k, &options);
+    check_terms(OP, &problem, &terms, &q.device());
+    let (lengths_q, lengths_k) = (sequences_q.lengths(), sequences_k.lengths());
+    if !fused_kernels_take_terms(OP, &problem, &terms, &q.device()) {
+        let (bias, slopes) = terms.composed(q.dtype());
+        let lengths = (lengths_q, lengths_k);
+        return fallback::attention_packed_biased(q, k, v, lengths, bias, slopes, &options);
+    }
+    let (device, dtype) = (q.device(), q.dtype());
+    let absent = q.clone().detach().unsqueeze::<4>();
+    let qkv = [q, k, v].map(Tensor::into_dispatch);
+    let packed = (
+        [sequences_q.cu_seqlens(), sequences_k.cu_seqlens()],
+        PackedLengths {
+            lengths_q: lengths_q.to_vec(),
+            lengths_k: lengths_k.to_vec(),
+        },
+    );
+    let (o, lse) = fused_biased(qkv, (&device, dtype, absent), terms, options, Some(packed));
     (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
 }
 

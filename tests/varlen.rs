@@ -474,8 +474,8 @@ fn packed_tensors_that_disagree_with_the_lengths_are_refused() {
 mod op {
     use burn::tensor::{Device, Tensor, TensorData};
     use burn_flash_attention::{
-        FlashAttentionOptions, PackedSequences, flash_attention_varlen_with_lse,
-        flash_attention_with_lse,
+        AttentionBias, FlashAttentionOptions, PackedSequences, flash_attention_biased_with_lse,
+        flash_attention_varlen_biased_with_lse, flash_attention_varlen_with_lse,
     };
 
     use crate::common;
@@ -495,11 +495,15 @@ mod op {
         assert!(err <= 2e-4, "{what}: max difference {err:.3e} — {context}");
     }
 
+    /// With `terms`, a trained bias `[b, 1, longest s_q, longest s_kv]` and ALiBi slopes `[b,
+    /// h_q]` on both sides (`flash_attention_varlen_biased` against
+    /// `flash_attention_biased` on each sequence's corner and row), `d(bias)` compared too.
     fn check(
         device: &Device,
         lengths_q: &[usize],
         lengths_k: &[usize],
         options: FlashAttentionOptions,
+        terms: bool,
     ) {
         let device = device.clone().autodiff();
         let (heads_q, heads_k, dim) = (4, 2, 32);
@@ -527,19 +531,48 @@ mod op {
         let v = tensor([total_k, heads_k, dim]).require_grad();
         let g = tensor([total_q, heads_q, dim]);
 
+        let batch = lengths_q.len();
+        let longest = |l: &[usize]| l.iter().copied().max().unwrap_or(0);
+        let (longest_q, longest_k) = (longest(lengths_q), longest(lengths_k));
+        let bias_data: Vec<f32> = (0..batch * longest_q * longest_k)
+            .map(|n| ((n * 37 % 101) as f32 / 101.0 - 0.5) * 2.0)
+            .collect();
+        let bias_shape = [batch, 1, longest_q, longest_k];
+        let bias =
+            || Tensor::<4>::from_data(TensorData::new(bias_data.clone(), bias_shape), &device);
+        let slopes: Vec<f32> = (0..batch * heads_q)
+            .map(|n| 0.05 + 0.03 * n as f32)
+            .collect();
+        let slopes = Tensor::<2>::from_data(TensorData::new(slopes, [batch, heads_q]), &device);
+        let (bias, bias2) = (bias().require_grad(), bias().require_grad());
+
         let sequences_q = PackedSequences::from_lengths(lengths_q, &device);
         let sequences_k = PackedSequences::from_lengths(lengths_k, &device);
-        let (out, lse) = flash_attention_varlen_with_lse(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            &sequences_q,
-            &sequences_k,
-            options,
-        );
+        let (out, lse) = match terms {
+            false => flash_attention_varlen_with_lse(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                &sequences_q,
+                &sequences_k,
+                options,
+            ),
+            true => flash_attention_varlen_biased_with_lse(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                &sequences_q,
+                &sequences_k,
+                AttentionBias::new()
+                    .with_bias(bias.clone())
+                    .with_alibi(slopes.clone()),
+                options,
+            ),
+        };
         let grads = (out.clone() * g.clone()).sum().backward();
         let got = [values(out), values(lse)];
         let got_grads = [&q, &k, &v].map(|t| values(t.grad(&grads).unwrap()));
+        let got_dbias = terms.then(|| values(bias.grad(&grads).unwrap()));
 
         // Sequence by sequence, through the dense op on `[1, h, len, d]`.
         let (q2, k2, v2) = (
@@ -557,12 +590,19 @@ mod op {
         let mut want_lse = vec![f64::NEG_INFINITY; heads_q * total_q];
         let mut loss = Tensor::<1>::zeros([1], &device);
         let (mut q0, mut k0) = (0, 0);
-        for (&lq, &lk) in lengths_q.iter().zip(lengths_k) {
+        for (i, (&lq, &lk)) in lengths_q.iter().zip(lengths_k).enumerate() {
             if lq > 0 && lk > 0 {
-                let (o, l) = flash_attention_with_lse(
+                let mut sequence_terms = AttentionBias::new();
+                if terms {
+                    sequence_terms = sequence_terms
+                        .with_bias(bias2.clone().slice([i..i + 1, 0..1, 0..lq, 0..lk]))
+                        .with_alibi(slopes.clone().slice([i..i + 1, 0..heads_q]));
+                }
+                let (o, l) = flash_attention_biased_with_lse(
                     as_batch(&q2, q0, lq),
                     as_batch(&k2, k0, lk),
                     as_batch(&v2, k0, lk),
+                    sequence_terms,
                     options,
                 );
                 let o_rows = o.squeeze_dim::<3>(0).swap_dims(0, 1);
@@ -590,6 +630,13 @@ mod op {
                 .unwrap_or_else(|| vec![0.0; got.len()]);
             close(name, got, &want, &context);
         }
+        if let Some(got) = got_dbias {
+            let want = bias2
+                .grad(&grads)
+                .map(values)
+                .unwrap_or_else(|| vec![0.0; got.len()]);
+            close("dBias", &got, &want, &context);
+        }
     }
 
     #[test]
@@ -599,9 +646,42 @@ mod op {
             .with_window(Some(5), Some(2))
             .with_softcap(Some(4.0));
         for device in [common::burn_device(), Device::flex()] {
-            check(&device, &[9, 0, 1, 40], &[12, 4, 0, 33], causal);
-            check(&device, &[17, 3], &[17, 3], windowed);
+            check(&device, &[9, 0, 1, 40], &[12, 4, 0, 33], causal, false);
+            check(&device, &[17, 3], &[17, 3], windowed, false);
         }
+    }
+
+    /// Score terms in a packed batch (a trained bias and ALiBi), fused on the test device and
+    /// composed on Flex, against the biased op on each sequence's corner of the terms.
+    #[test]
+    fn varlen_op_with_terms_matches_the_biased_op_sequence_by_sequence() {
+        let causal = FlashAttentionOptions::default().with_causal(true);
+        for device in [common::burn_device(), Device::flex()] {
+            check(&device, &[9, 0, 1, 14], &[12, 4, 0, 11], causal, true);
+        }
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "flash_attention_varlen_biased: `bias` has shape [1, 1, 5, 5], expected [2 | 1, 2 | 1, 3 | 1, 4 | 1]"
+    )]
+    fn a_bias_of_the_unpadded_shape_is_refused_by_name() {
+        let device = common::burn_device();
+        let t = |n: usize| Tensor::<3>::zeros([n, 2, 8], &device);
+        let sequences_q = PackedSequences::from_lengths(&[3, 2], &device);
+        let sequences_k = PackedSequences::from_lengths(&[4, 1], &device);
+        // The longest sequences have 3 queries and 4 keys: a bias over the packed totals
+        // (5 × 5) is not the padded batch's.
+        let wrong = Tensor::<4>::zeros([1, 1, 5, 5], &device);
+        flash_attention_varlen_biased_with_lse(
+            t(5),
+            t(5),
+            t(5),
+            &sequences_q,
+            &sequences_k,
+            AttentionBias::new().with_bias(wrong),
+            Default::default(),
+        );
     }
 
     #[test]

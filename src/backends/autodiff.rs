@@ -119,11 +119,11 @@ where
 struct BiasedBackward;
 
 impl<B: Backend + FlashAttentionOps> Backward<B, 5> for BiasedBackward {
-    /// Checkpointed Q, K, V, bias and score-function parameters; the ALiBi slopes and the
-    /// block mask; the forward's O and LSE; the options.
+    /// Checkpointed Q, K, V, bias and score-function parameters; the ALiBi slopes, the
+    /// block mask and a packed batch's offsets; the forward's O and LSE; the options.
     type State = (
         [NodeId; 5],
-        (FloatTensor<B>, IntTensor<B>),
+        (FloatTensor<B>, IntTensor<B>, [IntTensor<B>; 2]),
         FloatTensor<B>,
         FloatTensor<B>,
         BiasedOptions,
@@ -137,7 +137,7 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 5> for BiasedBackward {
     ) {
         let [node_q, node_k, node_v, node_bias, node_params] = ops.parents;
         let d_o = grads.consume::<B>(&ops.node);
-        let (ids, (slopes, block_mask), o, lse, options) = ops.state;
+        let (ids, (slopes, block_mask, [cu_q, cu_k]), o, lse, options) = ops.state;
         let options = BiasedOptions {
             bias_grad: options.bias && node_bias.is_some(),
             score_params_grad: options.score_params && node_params.is_some(),
@@ -145,7 +145,7 @@ impl<B: Backend + FlashAttentionOps> Backward<B, 5> for BiasedBackward {
         };
         let [q, k, v, bias, params] = ids.map(|id| checkpointer.retrieve_node_output(id));
         let (dq, dk, dv, dbias, dparams) = B::flash_attention_biased_bwd(
-            q, k, v, bias, slopes, block_mask, params, o, lse, d_o, options,
+            q, k, v, bias, slopes, block_mask, params, cu_q, cu_k, o, lse, d_o, options,
         );
         let pairs = [
             (node_q, dq),
@@ -219,11 +219,29 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
         score_params: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
         options: BiasedOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let slopes = alibi_slopes.into_primitive();
-        let forward = |[q, k, v, bias, params]: [FloatTensor<B>; 5], slopes, block_mask| {
-            B::flash_attention_biased_fwd(q, k, v, bias, slopes, block_mask, params, options)
+        let offsets = [cu_seqlens_q, cu_seqlens_k];
+        let forward_options = options.clone();
+        let forward = |[q, k, v, bias, params]: [FloatTensor<B>; 5],
+                       slopes,
+                       block_mask,
+                       [cu_q, cu_k]: [IntTensor<B>; 2]| {
+            B::flash_attention_biased_fwd(
+                q,
+                k,
+                v,
+                bias,
+                slopes,
+                block_mask,
+                params,
+                cu_q,
+                cu_k,
+                forward_options,
+            )
         };
         let nodes = [&q, &k, &v, &bias, &score_params].map(|t| t.node());
         match BiasedBackward
@@ -234,13 +252,19 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             OpsKind::Tracked(mut prep) => {
                 let ids = [&q, &k, &v, &bias, &score_params].map(|t| prep.checkpoint(t));
                 let inputs = [q, k, v, bias, score_params].map(|t| t.into_primitive());
-                let (o, lse) = forward(inputs, slopes.clone(), block_mask.clone());
-                let state = (ids, (slopes, block_mask), o.clone(), lse.clone(), options);
+                let (o, lse) = forward(inputs, slopes.clone(), block_mask.clone(), offsets.clone());
+                let state = (
+                    ids,
+                    (slopes, block_mask, offsets),
+                    o.clone(),
+                    lse.clone(),
+                    options,
+                );
                 (prep.finish(state, o), Self::from_inner(lse))
             }
             OpsKind::UnTracked(prep) => {
                 let inputs = [q, k, v, bias, score_params].map(|t| t.into_primitive());
-                let (o, lse) = forward(inputs, slopes, block_mask);
+                let (o, lse) = forward(inputs, slopes, block_mask, offsets);
                 (prep.finish(o), Self::from_inner(lse))
             }
         }
@@ -255,6 +279,8 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
         score_params: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
         o: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
@@ -274,6 +300,8 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             alibi_slopes.into_primitive(),
             block_mask,
             score_params.into_primitive(),
+            cu_seqlens_q,
+            cu_seqlens_k,
             o.into_primitive(),
             lse.into_primitive(),
             d_o.into_primitive(),

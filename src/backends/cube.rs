@@ -11,10 +11,13 @@ use burn_cubecl::{
 };
 use cubecl_flash_attention::{
     DeviceTensor, FlashError, FloatDtype, KernelPath, PackedSequences, ScoreBias, TermsGrad,
-    backward::{Gradients, Saved, TermsGradients, backward, backward_biased, backward_packed},
+    backward::{
+        Gradients, Saved, TermsGradients, backward, backward_biased, backward_packed,
+        backward_packed_biased,
+    },
     block_mask::DeviceBlockMask,
     decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
-    forward::{ForwardOutput, forward, forward_biased, forward_packed},
+    forward::{ForwardOutput, forward, forward_biased, forward_packed, forward_packed_biased},
     rotary::Rotary,
 };
 
@@ -53,6 +56,20 @@ fn packed_sequences(cu_seqlens: CubeTensor, lengths: &[usize]) -> PackedSequence
         lengths.to_vec(),
     )
     .unwrap_or_else(|e| panic!("flash_attention_varlen: {e}"))
+}
+
+/// A packed batch's sequences where `options` says the call is one.
+fn packed_batch(
+    cu_seqlens_q: CubeTensor,
+    cu_seqlens_k: CubeTensor,
+    options: &BiasedOptions,
+) -> Option<[PackedSequences; 2]> {
+    options.packed.as_ref().map(|packed| {
+        [
+            packed_sequences(cu_seqlens_q, &packed.lengths_q),
+            packed_sequences(cu_seqlens_k, &packed.lengths_k),
+        ]
+    })
 }
 
 /// Runs a forward launcher on Burn tensors `[q, k, v]`: returns `(O, LSE)` as Burn tensors
@@ -152,24 +169,33 @@ impl FlashAttentionOps for CubeBackend {
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
         score_params: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
         options: BiasedOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let terms = score_terms(bias, alibi_slopes, score_params);
         let block_mask = device_block_mask(block_mask, &options);
+        let sequences = packed_batch(cu_seqlens_q, cu_seqlens_k, &options);
         run_forward(
             "flash_attention_biased forward",
             [q, k, v],
             |client, [q, k, v], dtype| {
-                forward_biased(
-                    client,
-                    q,
-                    k,
-                    v,
-                    score_bias(&options, &terms, block_mask.as_ref()),
-                    dtype,
-                    options.attention.kernel_options(),
-                    KernelPath::Auto,
-                )
+                let terms = score_bias(&options, &terms, block_mask.as_ref());
+                let attention = options.attention.kernel_options();
+                match &sequences {
+                    Some([sq, sk]) => forward_packed_biased(
+                        client,
+                        [q, k, v],
+                        [sq, sk],
+                        terms,
+                        dtype,
+                        attention,
+                        KernelPath::Auto,
+                    ),
+                    None => {
+                        forward_biased(client, q, k, v, terms, dtype, attention, KernelPath::Auto)
+                    }
+                }
             },
         )
     }
@@ -182,6 +208,8 @@ impl FlashAttentionOps for CubeBackend {
         alibi_slopes: FloatTensor<Self>,
         block_mask: IntTensor<Self>,
         score_params: FloatTensor<Self>,
+        cu_seqlens_q: IntTensor<Self>,
+        cu_seqlens_k: IntTensor<Self>,
         o: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_o: FloatTensor<Self>,
@@ -196,24 +224,41 @@ impl FlashAttentionOps for CubeBackend {
         let (bias_tensor, params_tensor) = (bias.clone(), score_params.clone());
         let terms = score_terms(bias, alibi_slopes, score_params);
         let block_mask = device_block_mask(block_mask, &options);
+        let sequences = packed_batch(cu_seqlens_q, cu_seqlens_k, &options);
         let mut terms_grads = TermsGradients::default();
         let (dq, dk, dv) = run_backward(
             "flash_attention_biased backward",
             [q, k, v, o, lse, d_o],
             |client, saved, d_o, dtype| {
-                let (grads, of_terms) = backward_biased(
-                    client,
-                    saved,
-                    d_o,
-                    score_bias(&options, &terms, block_mask.as_ref()),
-                    TermsGrad {
-                        bias: options.bias_grad,
-                        score_params: options.score_params_grad,
-                    },
-                    dtype,
-                    options.attention.kernel_options(),
-                    KernelPath::Auto,
-                )?;
+                let terms = score_bias(&options, &terms, block_mask.as_ref());
+                let grad = TermsGrad {
+                    bias: options.bias_grad,
+                    score_params: options.score_params_grad,
+                };
+                let attention = options.attention.kernel_options();
+                let (grads, of_terms) = match &sequences {
+                    Some([sq, sk]) => backward_packed_biased(
+                        client,
+                        saved,
+                        d_o,
+                        [sq, sk],
+                        terms,
+                        grad,
+                        dtype,
+                        attention,
+                        KernelPath::Auto,
+                    ),
+                    None => backward_biased(
+                        client,
+                        saved,
+                        d_o,
+                        terms,
+                        grad,
+                        dtype,
+                        attention,
+                        KernelPath::Auto,
+                    ),
+                }?;
                 terms_grads = of_terms;
                 Ok(grads)
             },
