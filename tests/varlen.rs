@@ -2,7 +2,7 @@
 //! each sequence alone, on every kernel path of the device.
 
 use burn_flash_attention::kernels::{
-    FloatDtype, KernelPath, PackedSequences, ScoreBias, TermsGrad,
+    BlockMask, BlockShape, FloatDtype, KernelPath, PackedSequences, ScoreBias, TermsGrad,
     backward::{Gradients, Saved, backward_packed_biased, backward_packed_into},
     forward::{forward_packed_biased, forward_packed_into},
     reference::{self, Broadcast4},
@@ -56,11 +56,13 @@ struct Expected {
 }
 
 /// Score terms of a packed batch, indexed as in the padded dense batch: a bias `[b, 1,
-/// longest s_q, longest s_kv]` (rounded to the dtype; a sequence reads its top-left corner)
-/// and ALiBi slopes `[b, h_q]`.
+/// longest s_q, longest s_kv]` (rounded to the dtype; a sequence reads its top-left corner),
+/// ALiBi slopes `[b, h_q]` and a block mask of `[b, 1, longest s_q, longest s_kv]` scores
+/// that differs by sequence and hides a whole row of the third.
 struct PackedTerms {
     bias: Vec<f64>,
     slopes: Vec<f64>,
+    blocks: BlockMask,
     longest_q: usize,
     longest_kv: usize,
 }
@@ -75,12 +77,27 @@ impl PackedTerms {
             .collect();
         let heads = p.template.dims.heads_q;
         let slopes = (0..batch * heads).map(|n| 0.05 + 0.07 * n as f64).collect();
+        let shape = [batch, 1, longest_q, longest_kv];
+        let blocks = BlockShape {
+            block_q: 128,
+            block_kv: 128,
+        };
+        let visible = |b: usize, _: usize, i: usize, j: usize| {
+            (i * 7 + j * 13 + b) % 4 != 0 && !(b == 2 && i == 3)
+        };
+        let blocks = BlockMask::from_fn(shape, blocks, visible).unwrap();
         PackedTerms {
             bias,
             slopes,
+            blocks,
             longest_q,
             longest_kv,
         }
+    }
+
+    /// Whether sequence `index` sees key `j` from query `i`.
+    fn visible(&self, index: usize, i: usize, j: usize) -> bool {
+        self.blocks.is_visible(index, 0, i, j)
     }
 
     /// Sequence `index`'s bias, `[lq, lk]`.
@@ -129,6 +146,7 @@ fn expected(
             let so = sequence_of(d_out, d.heads_q, d.dim_v, q0, lq);
             let bias = terms.map(|t| t.bias_of(index, lq, lk));
             let slopes = terms.map(|t| t.slopes[index * d.heads_q..][..d.heads_q].to_vec());
+            let hidden = |i: usize, j: usize| terms.is_some_and(|t| !t.visible(index, i, j));
             let (out, lse, dq, dk, dv, dbias) = if oracle {
                 let opts = reference::ReferenceOptions {
                     bias: bias.clone().map(|data| Broadcast4 {
@@ -136,6 +154,10 @@ fn expected(
                         shape: [1, 1, lq, lk],
                     }),
                     alibi_slopes: slopes.clone(),
+                    bool_mask: terms.map(|_| Broadcast4 {
+                        data: (0..lq * lk).map(|n| hidden(n / lk, n % lk)).collect(),
+                        shape: [1, 1, lq, lk],
+                    }),
                     ..one.reference_options()
                 };
                 let f = reference::forward(&one.dims, &opts, &sq, &sk, &sv);
@@ -144,6 +166,7 @@ fn expected(
                 (f.out, f.lse, b.dq, b.dk, b.dv, dbias)
             } else {
                 let term = |_: usize, h: usize, i: usize, j: usize| match (&bias, &slopes) {
+                    _ if hidden(i, j) => f64::NEG_INFINITY,
                     (Some(bias), Some(slopes)) => {
                         let distance = (i as f64 + lk as f64 - lq as f64 - j as f64).abs();
                         bias[i * lk + j] - slopes[h] * distance
@@ -261,9 +284,11 @@ fn check_packed_terms(
             let bias_shape = [batch, 1, t.longest_q, t.longest_kv];
             let bias = upload(client, &t.bias, &bias_shape, dtype);
             let slopes = upload(client, &t.slopes, &[batch, d.heads_q], FloatDtype::F32);
+            let blocks = t.blocks.upload(client);
             let terms = ScoreBias {
                 bias: Some(&bias),
                 alibi_slopes: Some(&slopes),
+                block_mask: Some(&blocks),
                 ..ScoreBias::none()
             };
             // Outputs are fresh allocations: poison the pool they come from.
@@ -382,7 +407,8 @@ fn packed_batches_match_the_oracle_per_sequence() {
 }
 
 /// Score terms in a packed batch: each sequence reads its own corner of a bias `[b, 1,
-/// longest s_q, longest s_kv]` and its own ALiBi slopes, at positions within the sequence
+/// longest s_q, longest s_kv]` and of a block mask (which hides a whole row of the third
+/// sequence: O = 0, LSE = −∞) and its own ALiBi slopes, at positions within the sequence
 /// (bottom-right causal per sequence, s_q ≠ s_kv both ways, a sequence with queries but no
 /// keys, one without queries); `d(bias)` lands in each sequence's corner, zero elsewhere.
 #[test]
