@@ -194,6 +194,15 @@ impl AttentionBias {
         Some(slopes.cast(DType::F32))
     }
 
+    /// The terms as the composed fallback adds them: a block mask as the boolean mask it
+    /// summarises, folded with the bias ([`AttentionBias::folded_bias`]).
+    pub(crate) fn composed(mut self, dtype: DType) -> (Option<Tensor<4>>, Option<Tensor<2>>) {
+        if let Some(blocks) = self.block_mask.take() {
+            self = self.with_mask(blocks.hidden());
+        }
+        self.folded_bias(dtype)
+    }
+
     /// The bias with the mask folded in as −∞, in `dtype`.
     fn folded_bias(self, dtype: burn::tensor::DType) -> (Option<Tensor<4>>, Option<Tensor<2>>) {
         let mask = self.mask.map(|mask| {
@@ -264,17 +273,6 @@ pub fn flash_attention_biased_with_lse(
     (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
 }
 
-impl AttentionBias {
-    /// The terms as the composed fallback adds them: a block mask as the boolean mask it
-    /// summarises, folded with the bias ([`AttentionBias::folded_bias`]).
-    pub(crate) fn composed(mut self, dtype: DType) -> (Option<Tensor<4>>, Option<Tensor<2>>) {
-        if let Some(blocks) = self.block_mask.take() {
-            self = self.with_mask(blocks.hidden());
-        }
-        self.folded_bias(dtype)
-    }
-}
-
 /// Whether the fused kernels take a call with `terms` (see [`fused_kernels_take`]); panics
 /// where they do not and a score function, which only they can run, is among the terms.
 pub(crate) fn fused_kernels_take_terms(
@@ -327,13 +325,19 @@ pub(crate) fn fused_biased(
     // Absent terms pass untracked placeholders the kernels never read.
     let bias = bias.unwrap_or(absent);
     let slopes = slopes.unwrap_or_else(|| Tensor::zeros([1, 1], (device, DType::F32)));
-    let words = block_mask.map_or_else(|| Tensor::zeros([1], (device, DType::I32)), |m| m.words);
+    // One Int placeholder serves the block mask's words and the packed offsets alike.
+    let mut int_placeholder = None;
+    let mut absent_ints = || {
+        int_placeholder
+            .get_or_insert_with(|| Tensor::<1, Int>::zeros([1], (device, DType::I32)))
+            .clone()
+    };
+    let words = block_mask.map_or_else(&mut absent_ints, |m| m.words);
     let params = params.map_or_else(
         || Tensor::zeros([1, 1], (device, DType::F32)),
         |p| p.cast(DType::F32),
     );
-    let [cu_q, cu_k] =
-        offsets.unwrap_or_else(|| [0, 1].map(|_| Tensor::zeros([1], (device, DType::I32))));
+    let [cu_q, cu_k] = offsets.unwrap_or_else(|| [absent_ints(), absent_ints()]);
     <Dispatch as FlashAttentionOps>::flash_attention_biased_fwd(
         q,
         k,
