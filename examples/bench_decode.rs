@@ -11,16 +11,22 @@
 //! step, and timed by replays: the device's time per call without the host's launch path
 //! (records `"graph": true`; `benches/torch_decode.py --graph` captures PyTorch's likewise).
 //!
+//! `--terms` adds score terms to every call (records named `ours <terms>`): ALiBi, a bias
+//! over the cache's positions `[b, 1, 1, capacity]` (a key padding mask's layout), or a score
+//! function (a clipped relative-position bias per head, read from a table).
+//!
 //!     cargo run --release --features cuda --example bench_decode -- --json decode.json
 
 use std::time::Instant;
 
 use burn_flash_attention::kernels::{
-    AttentionOptions, DeviceTensor, FloatDtype,
+    AttentionOptions, DeviceTensor, FloatDtype, ScoreBias,
     decode::{DecodeInputs, KvCache, Lengths, Splits, decode},
     rotary::Rotary,
+    score_mod::{ScoreFn, ScoreMod, ScorePosition},
 };
 use clap::Parser;
+use cubecl::prelude::*;
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -67,6 +73,45 @@ struct Args {
     /// Time replays of the calls captured as a graph (see the module docs).
     #[arg(long)]
     graph: bool,
+    /// Score terms added to every call.
+    #[arg(long, default_value = "none", value_parser = ["none", "alibi", "bias", "score_fn"])]
+    terms: String,
+}
+
+/// Distances from the query's diagonal are clipped to `±MAX_DISTANCE`.
+const MAX_DISTANCE: i32 = 64;
+
+/// A learned bias per query head and clipped distance from the query's diagonal, `params`
+/// `[heads_q, 2 · MAX_DISTANCE + 1]` (T5-style relative positions).
+struct RelativeBias;
+
+#[cube]
+impl ScoreMod for RelativeBias {
+    fn score(score: f32, at: &ScorePosition, params: &Tensor<f32>) -> f32 {
+        let distance = i32::cast_from(at.key + at.seq_q) - i32::cast_from(at.query + at.seq_kv);
+        let bucket = clamp(distance, -MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE;
+        score + params[at.head * params.stride(0) + usize::cast_from(bucket)]
+    }
+    fn score_grad(_score: f32, _modded: f32, _at: &ScorePosition, _params: &Tensor<f32>) -> f32 {
+        1.0
+    }
+    fn params_grad(
+        _grad: f32,
+        _score: f32,
+        _modded: f32,
+        _at: &ScorePosition,
+        _params: &Tensor<f32>,
+        _grads: &mut [Atomic<f32>],
+    ) {
+    }
+    fn visible(_at: &ScorePosition, _params: &Tensor<f32>) -> bool {
+        true
+    }
+}
+
+fn zeros(client: &cubecl::client::Client, shape: &[usize], elem_size: usize) -> DeviceTensor {
+    let bytes = vec![0u8; shape.iter().product::<usize>() * elem_size];
+    DeviceTensor::from_bytes(client, shape, &bytes)
 }
 
 /// Calls per timed run: queued back to back, or captured as one graph (`--graph`).
@@ -171,6 +216,18 @@ fn main() {
                         };
                         let lengths = vec![len; b];
                         let seqlens = i32_tensor(&client, &[b], &vec![len as i32; b]);
+                        let terms = args.terms.as_str();
+                        let slopes = (terms == "alibi").then(|| zeros(&client, &[b, h_q], 4));
+                        // The bias spans the cache's capacity (whole pages).
+                        let capacity = if page == 0 {
+                            len
+                        } else {
+                            len.div_ceil(page) * page
+                        };
+                        let bias = (terms == "bias")
+                            .then(|| zeros(&client, &[b, 1, 1, capacity], dtype.size()));
+                        let params = (terms == "score_fn")
+                            .then(|| zeros(&client, &[h_q, 2 * MAX_DISTANCE as usize + 1], 4));
                         let splits = match forced {
                             0 => Splits::Auto,
                             n => Splits::Exactly(n),
@@ -193,7 +250,15 @@ fn main() {
                                         sin,
                                         interleaved: false,
                                     }),
-                                    alibi_slopes: None,
+                                    terms: ScoreBias {
+                                        bias: bias.as_ref(),
+                                        alibi_slopes: slopes.as_ref(),
+                                        score_mod: params
+                                            .as_ref()
+                                            .map(|_| ScoreFn::of::<RelativeBias>()),
+                                        score_params: params.as_ref(),
+                                        block_mask: None,
+                                    },
                                 },
                                 dtype,
                                 AttentionOptions::default(),
@@ -259,9 +324,11 @@ fn main() {
                         let ms = times[times.len() / 2];
                         let host_ms = host_times[host_times.len() / 2];
                         let record = Record {
-                            implementation: match args.rotary {
-                                true => "ours rotary".into(),
-                                false => "ours".into(),
+                            implementation: match (args.rotary, terms) {
+                                (true, "none") => "ours rotary".into(),
+                                (true, terms) => format!("ours rotary {terms}"),
+                                (false, "none") => "ours".into(),
+                                (false, terms) => format!("ours {terms}"),
                             },
                             b,
                             h_q,

@@ -4,12 +4,12 @@
 //! sequences join the batch as others leave, each prompt is prefilled on its own, and every
 //! step decodes the active sequences together through `flash_attention_with_kvcache` (the
 //! rotary embedding applied inside the op). The greedy tokens are checked against
-//! recomputing each whole sequence without a cache; tokens per second at the end.
+//! recomputing each whole sequence without a cache. Progress bars while it trains and
+//! generates; tokens per second at the end.
 //!
 //!     cargo run --release --features wgpu --example generate -- --device wgpu-cpu --tiny
 //!     cargo run --release --features cuda --example generate -- --device cuda
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -21,6 +21,7 @@ use burn::tensor::activation::silu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_flash_attention::{FlashAttentionOptions, PagedKvCache, RotaryEmbedding, flash_attention};
 use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
 
 #[path = "shared/mod.rs"]
 mod shared;
@@ -263,6 +264,10 @@ fn train(model: Llama, args: &Args, device: &Device, rope: &RotaryEmbedding) -> 
     let loss_fn = CrossEntropyLossConfig::new().init(device);
     let mut losses = Vec::new();
     let started = Instant::now();
+    let bar = progress(
+        args.steps,
+        "training {bar:30} {pos}/{len} steps, {msg} [{elapsed}]",
+    );
     for (step, (x, y)) in batches(args.steps, args.batch, args.seq)
         .into_iter()
         .enumerate()
@@ -276,14 +281,10 @@ fn train(model: Llama, args: &Args, device: &Device, rope: &RotaryEmbedding) -> 
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(args.lr, model, grads);
         losses.push(loss.into_scalar::<f32>());
-        status(&format!(
-            "training: step {}/{}, loss {:.3}",
-            step + 1,
-            args.steps,
-            losses[step]
-        ));
+        bar.set_message(format!("loss {:.3}", losses[step]));
+        bar.inc(1);
     }
-    eprintln!();
+    bar.finish_and_clear();
     println!(
         "trained {} steps in {:.1} s: loss {:.3} → {:.3}",
         args.steps,
@@ -294,10 +295,11 @@ fn train(model: Llama, args: &Args, device: &Device, rope: &RotaryEmbedding) -> 
     model
 }
 
-/// Rewrites the status line on standard error.
-fn status(line: &str) {
-    eprint!("\r\x1b[2K{line}");
-    let _ = std::io::stderr().flush();
+/// A progress bar on standard error over `len` units, drawn by `template`.
+fn progress(len: usize, template: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len as u64);
+    bar.set_style(ProgressStyle::with_template(template).expect("a valid template"));
+    bar
 }
 
 /// Length of prompt `n`: the prompts grow by 3 bytes each.
@@ -365,6 +367,10 @@ fn generate(
     let mut running: Vec<Running> = Vec::new();
     let mut finished: Vec<Vec<i64>> = vec![Vec::new(); args.prompts];
     let (mut generated, started) = (0, Instant::now());
+    let bar = progress(
+        args.prompts * args.new_tokens,
+        "generating {bar:30} {pos}/{len} tokens, {per_sec}, {msg} [{elapsed}]",
+    );
     while !(waiting.is_empty() && running.is_empty()) {
         // Sequences join while there is room: each prompt prefilled on its own.
         while running.len() < args.active
@@ -413,16 +419,15 @@ fn generate(
             }
             !done
         });
-        let seconds = started.elapsed().as_secs_f64();
-        status(&format!(
-            "generating: {}/{} prompts done, {} running, {generated} tokens, {:.1} tokens/s",
+        bar.set_position(generated as u64);
+        bar.set_message(format!(
+            "{}/{} prompts done, {} running",
             finished.iter().filter(|t| !t.is_empty()).count(),
             args.prompts,
             running.len(),
-            generated as f64 / seconds
         ));
     }
-    eprintln!();
+    bar.finish_and_clear();
     (finished, generated, started.elapsed().as_secs_f64())
 }
 

@@ -173,25 +173,30 @@ impl AttentionBias {
         self
     }
 
-    /// The ALiBi slopes of a decode call (as f32, checked against `q`'s batch, heads and
-    /// device), the one term the decode kernels add; panics naming any other term.
-    pub(crate) fn into_decode_alibi(self, op: &str, q: &Tensor<4>) -> Option<Tensor<2>> {
-        let others = [
-            ("a bias tensor", self.bias.is_some()),
-            ("a boolean mask", self.mask.is_some()),
-            ("a block mask", self.block_mask.is_some()),
-            ("a score function", self.score_mod.is_some()),
-        ];
-        for (term, present) in others {
-            assert!(
-                !present,
-                "{op}: the decode kernels add ALiBi alone among the score terms, not {term}"
-            );
+    /// The terms of a decode call, checked against `problem` (whose keys are the cache's
+    /// capacity: a bias is indexed by key position) and the device of `q`; panics naming
+    /// a block mask, which decode does not take.
+    pub(crate) fn into_decode_terms(
+        mut self,
+        op: &str,
+        problem: &AttentionProblem,
+        q: &Tensor<4>,
+    ) -> DecodeTerms {
+        assert!(
+            self.block_mask.is_none(),
+            "{op}: decode takes a bias, a mask, ALiBi and a score function, not a block mask \
+             (its blocks tile training-shaped problems: pass the mask it summarises instead)"
+        );
+        check_terms(op, problem, &self, &q.device());
+        let score_mod = self.score_mod.take();
+        let params = self.score_params.take().map(|p| p.cast(DType::F32));
+        let (bias, slopes) = self.folded_bias(q.dtype());
+        DecodeTerms {
+            bias,
+            alibi_slopes: slopes.map(|s| s.cast(DType::F32)),
+            score_mod,
+            score_params: params,
         }
-        let slopes = self.alibi_slopes?;
-        let [batch, heads_q, ..] = q.dims();
-        check_alibi(op, &slopes, [batch, heads_q], &q.device());
-        Some(slopes.cast(DType::F32))
     }
 
     /// The terms as the composed fallback adds them: a block mask as the boolean mask it
@@ -215,6 +220,15 @@ impl AttentionBias {
         };
         (bias, self.alibi_slopes)
     }
+}
+
+/// A decode call's terms ([`AttentionBias::into_decode_terms`]): the bias with the mask
+/// folded in (dtype of `q`), the ALiBi slopes and the score function's parameters (f32).
+pub(crate) struct DecodeTerms {
+    pub bias: Option<Tensor<4>>,
+    pub alibi_slopes: Option<Tensor<2>>,
+    pub score_mod: Option<ScoreFn>,
+    pub score_params: Option<Tensor<2>>,
 }
 
 /// Checks ALiBi slopes against `[batch, heads_q]`: `[batch | 1, heads_q]`, on `device` (that

@@ -128,6 +128,34 @@ fn dropout_factors(
     Tensor::from_data(TensorData::new(factors, shape), device)
 }
 
+/// The terms of sequence `index` of a batch, `len_q` queries against `len_k` keys: the
+/// bias's top-left `[1, h | 1, len_q | 1, len_k | 1]` corner of its row (or of the one row
+/// that broadcasts) and the row's ALiBi slopes.
+fn sequence_terms(
+    bias: Option<&Tensor<4>>,
+    alibi_slopes: Option<&Tensor<2>>,
+    index: usize,
+    len_q: usize,
+    len_k: usize,
+) -> (Option<Tensor<4>>, Option<Tensor<2>>) {
+    // Index `at` along a dimension of `size` that broadcasts where it is 1.
+    let pick = |size: usize, at: std::ops::Range<usize>| if size == 1 { 0..1 } else { at };
+    let bias = bias.map(|b| {
+        let [bb, hh, sq, sk] = b.dims();
+        b.clone().slice([
+            pick(bb, index..index + 1),
+            0..hh,
+            pick(sq, 0..len_q),
+            pick(sk, 0..len_k),
+        ])
+    });
+    let slopes = alibi_slopes.map(|s| {
+        let [bb, hh] = s.dims();
+        s.clone().slice([pick(bb, index..index + 1), 0..hh])
+    });
+    (bias, slopes)
+}
+
 /// [`attention_biased`] within each sequence of a packed batch (`q` `[total_q, h_q, d]`,
 /// `k`/`v` `[total_kv, h_kv, d]`, the sequences' lengths given): `(O [total_q, h_q, d_v],
 /// LSE [h_q, total_q])`, one composed attention per sequence. Sequence `i` reads the
@@ -142,8 +170,6 @@ pub(crate) fn attention_packed_biased(
     alibi_slopes: Option<Tensor<2>>,
     options: &FlashAttentionOptions,
 ) -> (Tensor<3>, Tensor<2>) {
-    // Index `at` along a dimension of `size` that broadcasts where it is 1.
-    let pick = |size: usize, at: std::ops::Range<usize>| if size == 1 { 0..1 } else { at };
     let [total_q, heads_q, _] = q.dims();
     let dim_v = v.dims()[2];
     let device = q.device();
@@ -163,19 +189,8 @@ pub(crate) fn attention_packed_biased(
             let hidden = Tensor::<2>::full([heads_q, len_q], f32::NEG_INFINITY, &device);
             lses.push(hidden.cast(FloatDType::F32));
         } else if len_q > 0 {
-            let bias = bias.as_ref().map(|b| {
-                let [bb, hh, sq, sk] = b.dims();
-                b.clone().slice([
-                    pick(bb, index..index + 1),
-                    0..hh,
-                    pick(sq, 0..len_q),
-                    pick(sk, 0..len_k),
-                ])
-            });
-            let slopes = alibi_slopes.as_ref().map(|s| {
-                let [bb, hh] = s.dims();
-                s.clone().slice([pick(bb, index..index + 1), 0..hh])
-            });
+            let (bias, slopes) =
+                sequence_terms(bias.as_ref(), alibi_slopes.as_ref(), index, len_q, len_k);
             let (o, lse) = attention_from_batch(
                 sequence(&q, q0, len_q),
                 sequence(&k, k0, len_k),
@@ -254,15 +269,16 @@ pub(crate) fn rotate_new(
 
 /// [`crate::flash_attention_with_kvcache_and_lse`] composed from Burn tensor ops: the new keys
 /// and values written with `slice_assign`, each sequence's keys gathered (through its pages)
-/// and attended with [`attention`]. `lengths` are the checked `cache_seqlens`, `entries` the
-/// checked block table (row-major) of a paged cache.
+/// and attended with [`attention_biased`] (sequence `b` reads the bias's row `b`, keys
+/// `0..len + s_new`, and its ALiBi slopes). `lengths` are the checked `cache_seqlens`,
+/// `entries` the checked block table (row-major) of a paged cache.
 pub(crate) fn decode(
     q: Tensor<4>,
     cache: crate::serving::KvCache,
     lengths: &[usize],
     entries: Option<&[i64]>,
     new: Option<(Tensor<4>, Tensor<4>)>,
-    alibi_slopes: Option<Tensor<2>>,
+    (bias, alibi_slopes): (Option<Tensor<4>>, Option<Tensor<2>>),
     options: &FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>, crate::serving::KvCache) {
     use burn::tensor::Int;
@@ -335,12 +351,8 @@ pub(crate) fn decode(
             }
             None => t.clone().slice([b..b + 1, 0..t.dims()[1], 0..total]),
         };
-        // The sequence's slopes (row `b`, or the one row that broadcasts).
-        let slopes = alibi_slopes.as_ref().map(|s| {
-            let row = if s.dims()[0] == 1 { 0 } else { b };
-            s.clone().slice([row..row + 1])
-        });
-        let (o, lse) = attention_biased(qb, gather(&k), gather(&v), None, slopes, options);
+        let (bias, slopes) = sequence_terms(bias.as_ref(), alibi_slopes.as_ref(), b, seq_q, total);
+        let (o, lse) = attention_biased(qb, gather(&k), gather(&v), bias, slopes, options);
         outs.push(o);
         lses.push(lse);
     }

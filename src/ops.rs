@@ -126,9 +126,12 @@ pub trait FlashAttentionOps: Backend {
     /// `block_table` `[b, max_pages]`), over the first `cache_seqlens[b]` (+ `s_new`)
     /// positions of each sequence; with `options.append`, `k_new`/`v_new` `[b, h_kv, s_new,
     /// d]` are first written at those positions; with `options.rotary`, the new queries and
-    /// keys turn by `rotary_cos`/`rotary_sin` `[positions, rotary_dim / 2]`. Returns (`o`,
-    /// `lse`, the caches with the new keys and values). Tensors `options` says are absent
-    /// are ignored placeholders.
+    /// keys turn by `rotary_cos`/`rotary_sin` `[positions, rotary_dim / 2]`; the score terms
+    /// `bias` `[b | 1, h_q | 1, s_q | 1, capacity | 1]` (dtype of `q`, indexed by key
+    /// position), `alibi_slopes` `[b | 1, h_q]` and `score_params` of `options.score_mod`
+    /// are added as [`flash_attention_biased_fwd`](Self::flash_attention_biased_fwd) adds
+    /// them. Returns (`o`, `lse`, the caches with the new keys and values). Tensors
+    /// `options` says are absent are ignored placeholders.
     #[fusion(meta = meta::decode)]
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_decode(
@@ -141,7 +144,9 @@ pub trait FlashAttentionOps: Backend {
         v_new: FloatTensor<Self>,
         rotary_cos: FloatTensor<Self>,
         rotary_sin: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
+        score_params: FloatTensor<Self>,
         options: DecodeOptions,
     ) -> (
         FloatTensor<Self>,
@@ -272,7 +277,9 @@ mod meta {
         _v_new: &TensorSpec,
         _rotary_cos: &TensorSpec,
         _rotary_sin: &TensorSpec,
+        _bias: &TensorSpec,
         _alibi_slopes: &TensorSpec,
+        _score_params: &TensorSpec,
         _options: &DecodeOptions,
     ) -> (TensorSpec, TensorSpec, TensorSpec, TensorSpec) {
         let (b, h, s_q) = (q.shape[0], q.shape[1], q.shape[2]);

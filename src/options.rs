@@ -118,9 +118,18 @@ pub struct DecodeOptions {
     /// rotary_dim / 2)`.
     #[serde(default)]
     pub rotary: Option<bool>,
+    /// `bias` `[batch | 1, heads_q | 1, s_q | 1, capacity | 1]` is added to the scores.
+    #[serde(default)]
+    pub bias: bool,
     /// `alibi_slopes` `[batch | 1, heads_q]` (f32) are added as ALiBi.
     #[serde(default)]
     pub alibi: bool,
+    /// A score function ([`kernels::score_mod`](crate::kernels::score_mod)), compiled in.
+    #[serde(skip)]
+    pub score_mod: Option<ScoreFn>,
+    /// The score function's parameters `score_params`, any shape.
+    #[serde(default)]
+    pub score_params: bool,
 }
 
 /// Options of a call with score terms ([`flash_attention_biased`](crate::flash_attention_biased)),

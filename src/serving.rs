@@ -3,11 +3,12 @@
 
 use burn::backend::Dispatch;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use cubecl_flash_attention::AttentionProblem;
 use cubecl_flash_attention::decode::CacheGeometry;
 use cubecl_flash_attention::rotary::RotaryConfig;
 
 use crate::attention::{check_like_q, kernel_dtype, supports_flash_attention};
-use crate::bias::AttentionBias;
+use crate::bias::{AttentionBias, DecodeTerms};
 use crate::fallback;
 use crate::ops::FlashAttentionOps;
 use crate::options::{DecodeOptions, FlashAttentionOptions};
@@ -211,15 +212,24 @@ pub fn flash_attention_with_kvcache_and_lse(
     )
 }
 
-/// [`flash_attention_with_kvcache_and_lse`] with score terms: ALiBi
-/// ([`AttentionBias::with_alibi`], slopes `[batch | 1, heads_q]`), added as
-/// `−slope · |i + seq_kv − s_q − j|` for query `i` and key `j` of a sequence of `seq_kv`
-/// keys after the append (bottom-right, as the masks), as FlashAttention's `alibi_slopes`.
+/// [`flash_attention_with_kvcache_and_lse`] with score terms ([`AttentionBias`]), added
+/// to the score of new query `i` (of `s_q`) and key position `j` of a sequence holding
+/// `seq_kv = cache_seqlens[b] + s_new` keys after the append, as the training op adds them
+/// to a `[s_q, seq_kv]` problem (query `i` on the diagonal at key `i + seq_kv − s_q`):
+/// - a bias or boolean mask `[batch | 1, heads_q | 1, s_q | 1, capacity | 1]`, indexed by
+///   key position (`capacity`: the cache's length, or `max_pages · page_size`), as
+///   `with_key_padding` `[batch, capacity]` builds it for left-padded prompts;
+/// - ALiBi slopes `[batch | 1, heads_q]`: `−slope · |i + seq_kv − s_q − j|`, as
+///   FlashAttention's `alibi_slopes`;
+/// - a score function ([`AttentionBias::with_score_mod`]) and its parameters, called with
+///   the sequence as batch, `query = i`, `key = j` and the lengths `s_q` and `seq_kv`:
+///   the function a model trained with serves its decode steps. It runs on CUDA, ROCm and
+///   wgpu devices.
 ///
 /// # Panics
-/// As [`flash_attention_with_kvcache`]; on slopes of another shape or device; and on terms
-/// the decode kernels do not add (a bias tensor, a boolean or block mask, a score
-/// function), naming them.
+/// As [`flash_attention_with_kvcache`]; on terms of another shape or device, naming them;
+/// on a block mask (pass the mask it summarises); on a score function where the decode
+/// kernels do not run.
 pub fn flash_attention_with_kvcache_biased(
     q: Tensor<4>,
     cache: KvCache,
@@ -229,8 +239,8 @@ pub fn flash_attention_with_kvcache_biased(
     terms: AttentionBias,
     options: FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>, KvCache) {
-    let alibi_slopes = terms.into_decode_alibi("flash_attention_with_kvcache", &q);
-    let (lengths, table) = validate(
+    const OP: &str = "flash_attention_with_kvcache";
+    let (lengths, table, problem) = validate(
         &q,
         &cache,
         cache_seqlens.clone(),
@@ -238,8 +248,21 @@ pub fn flash_attention_with_kvcache_biased(
         rotary.as_ref(),
         &options,
     );
+    let DecodeTerms {
+        bias,
+        alibi_slopes,
+        score_mod,
+        score_params,
+    } = terms.into_decode_terms(OP, &problem, &q);
     let device = q.device();
     if !supports_flash_attention(&device) {
+        if let Some(score_mod) = score_mod {
+            panic!(
+                "{OP}: the score function {} is compiled into the decode kernels, which do not \
+                 run on device {device:?} (they run on CUDA, ROCm and wgpu devices)",
+                score_mod.name()
+            );
+        }
         let (q, new) = match &rotary {
             Some(rotary) => fallback::rotate_new(q, new, rotary, &lengths, &options),
             None => (q, new),
@@ -250,7 +273,7 @@ pub fn flash_attention_with_kvcache_biased(
             &lengths,
             table.as_deref(),
             new,
-            alibi_slopes,
+            (bias, alibi_slopes),
             &options,
         );
     }
@@ -267,10 +290,16 @@ pub fn flash_attention_with_kvcache_biased(
         Some(r) => (r.cos.clone().into_dispatch(), r.sin.clone().into_dispatch()),
         None => (q.clone().into_dispatch(), q.clone().into_dispatch()),
     };
-    let alibi = alibi_slopes.is_some();
-    // Without ALiBi the slopes are never read: `q` stands in for them.
-    let alibi_slopes =
-        alibi_slopes.map_or_else(|| q.clone().into_dispatch(), |s| s.into_dispatch());
+    let (has_bias, alibi, has_params) = (
+        bias.is_some(),
+        alibi_slopes.is_some(),
+        score_params.is_some(),
+    );
+    // Absent terms are never read: `q` stands in for them.
+    let absent = || q.clone().into_dispatch();
+    let bias = bias.map_or_else(absent, Tensor::into_dispatch);
+    let alibi_slopes = alibi_slopes.map_or_else(absent, Tensor::into_dispatch);
+    let score_params = score_params.map_or_else(absent, Tensor::into_dispatch);
     let (o, lse, k, v) = <Dispatch as FlashAttentionOps>::flash_attention_decode(
         q.into_dispatch(),
         cache.k.into_dispatch(),
@@ -281,14 +310,19 @@ pub fn flash_attention_with_kvcache_biased(
         v_new.into_dispatch(),
         rotary_cos,
         rotary_sin,
+        bias,
         alibi_slopes,
+        score_params,
         DecodeOptions {
             attention: options,
             paged,
             append,
             lengths,
             rotary: rotary.map(|r| r.interleaved),
+            bias: has_bias,
             alibi,
+            score_mod,
+            score_params: has_params,
         },
     );
     (
@@ -304,7 +338,8 @@ pub fn flash_attention_with_kvcache_biased(
 
 /// Checks shapes, dtypes and devices, then the lengths and the pages they use (read to
 /// the host: a lazy backend would otherwise report them only when the op runs); panics with
-/// a message naming the argument. Returns the lengths and, paged, the block table.
+/// a message naming the argument. Returns the lengths, the block table (paged) and the
+/// problem (its keys the cache's capacity).
 fn validate(
     q: &Tensor<4>,
     cache: &KvCache,
@@ -312,7 +347,7 @@ fn validate(
     new: Option<&(Tensor<4>, Tensor<4>)>,
     rotary: Option<&RotaryEmbedding>,
     options: &FlashAttentionOptions,
-) -> (Vec<usize>, Option<Vec<i64>>) {
+) -> (Vec<usize>, Option<Vec<i64>>, AttentionProblem) {
     const OP: &str = "flash_attention_with_kvcache";
     let dtype = q.dtype();
     let Some(kernel_dtype) = kernel_dtype(dtype) else {
@@ -346,16 +381,17 @@ fn validate(
             .map(|(arg, t)| (arg, t.dtype(), t.device())),
     );
     let (k, v, table) = cache.shapes();
-    let (geometry, s_new) = CacheGeometry::from_shapes(&k, &v, table.as_deref(), q.dims()[0])
-        .and_then(|g| {
-            g.problem(&q.dims(), kernel_dtype, options.kernel_options())?;
-            let s_new = match new {
-                Some((k, v)) => g.check_new(&k.dims(), &v.dims())?,
-                None => 0,
-            };
-            Ok((g, s_new))
-        })
-        .unwrap_or_else(|e| panic!("{OP}: {e}"));
+    let (geometry, s_new, problem) =
+        CacheGeometry::from_shapes(&k, &v, table.as_deref(), q.dims()[0])
+            .and_then(|g| {
+                let problem = g.problem(&q.dims(), kernel_dtype, options.kernel_options())?;
+                let s_new = match new {
+                    Some((k, v)) => g.check_new(&k.dims(), &v.dims())?,
+                    None => 0,
+                };
+                Ok((g, s_new, problem))
+            })
+            .unwrap_or_else(|e| panic!("{OP}: {e}"));
     assert_eq!(
         cache_seqlens.dims(),
         [geometry.batch],
@@ -382,7 +418,7 @@ fn validate(
         )
         .unwrap_or_else(|e| panic!("{OP}: {e}"));
     }
-    (lengths, table)
+    (lengths, table, problem)
 }
 
 /// Host copy of an Int tensor.

@@ -1,13 +1,17 @@
 //! Serving kernels (KV-cache decode: contiguous and paged caches, appends in place, split
-//! key ranges) against the f64 oracle, on the device `FLASH_DEVICE` selects.
+//! key ranges, score terms) against the f64 oracle, on the device `FLASH_DEVICE` selects.
+
+use std::sync::Arc;
 
 use burn_flash_attention::kernels::{
-    AttentionOptions, DeviceLimits, DeviceTensor, FlashError, FloatDtype, MaskSpec,
+    AttentionOptions, DeviceLimits, DeviceTensor, FlashError, FloatDtype, MaskSpec, ScoreBias,
     decode::{DecodeInputs, DecodeOutput, KvCache, Lengths, Splits, decode},
-    reference::{self, Dims},
+    reference::{self, At, Broadcast4, Dims, HostScoreFn},
     rotary::Rotary,
+    score_mod::{ScoreFn, ScoreMod, ScorePosition},
 };
 use cubecl::client::Client;
+use cubecl::prelude::*;
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 
 use crate::common::{self, Case, assert_close, download, naive, upload};
@@ -31,6 +35,111 @@ struct Serving {
     softcap: Option<f64>,
     /// ALiBi with the slopes [`alibi_slope`] gives, per sequence and query head.
     alibi: bool,
+    /// A bias over the cache's positions ([`bias_value`]).
+    bias: Option<BiasKind>,
+    /// The score function [`SequenceBias`].
+    score_fn: bool,
+}
+
+/// The bias of a test: `[batch, 1, s_q, capacity]` of values with some −∞, or a key
+/// padding mask `[batch, capacity]` (`true` where hidden; a bias of 0 and −∞).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BiasKind {
+    Scores,
+    Padding,
+}
+
+/// The bias of sequence `b`'s query `i` and key position `j`: different in every
+/// sequence, query and key, −∞ at some.
+fn bias_value(kind: BiasKind, b: usize, i: usize, j: usize, dtype: FloatDtype) -> f64 {
+    match kind {
+        BiasKind::Scores if (b * 31 + i * 7 + j * 3) % 11 == 0 => f64::NEG_INFINITY,
+        BiasKind::Scores => {
+            common::round(((b * 13 + i * 5 + j * 17) % 23) as f64 / 11.0 - 1.0, dtype)
+        }
+        BiasKind::Padding if (b * 5 + j * 3) % 7 == 5 => f64::NEG_INFINITY,
+        BiasKind::Padding => 0.0,
+    }
+}
+
+/// [`bias_value`] of every sequence, query and position, `[batch, 1, s_q | 1, capacity]`.
+fn bias_values(s: &Serving, kind: BiasKind, dtype: FloatDtype) -> Broadcast4<f64> {
+    let queries = match kind {
+        BiasKind::Scores => s.s_q,
+        BiasKind::Padding => 1,
+    };
+    let mut data = Vec::new();
+    for b in 0..s.batch {
+        for i in 0..queries {
+            data.extend((0..s.capacity).map(|j| bias_value(kind, b, i, j, dtype)));
+        }
+    }
+    Broadcast4 {
+        data,
+        shape: [s.batch, 1, queries, s.capacity],
+    }
+}
+
+/// Distances from a query's diagonal are clipped to `±MAX_DISTANCE`.
+const MAX_DISTANCE: i32 = 4;
+const BUCKETS: usize = 2 * MAX_DISTANCE as usize + 1;
+
+/// A learned bias per sequence, query head and clipped distance from the query's diagonal
+/// (`params` `[batch, heads_q · BUCKETS]`) that hides the keys at positions `7n + 3 −
+/// batch`: the sequence, head, query, key and both lengths all change what it gives, so a
+/// kernel passing a wrong one is caught.
+struct SequenceBias;
+
+#[cube]
+impl ScoreMod for SequenceBias {
+    fn score(score: f32, at: &ScorePosition, params: &Tensor<f32>) -> f32 {
+        let distance = i32::cast_from(at.key + at.seq_q) - i32::cast_from(at.query + at.seq_kv);
+        let bucket = clamp(distance, -MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE;
+        let cell = at.batch * params.stride(0) + at.head * BUCKETS + usize::cast_from(bucket);
+        score + params[cell]
+    }
+    fn score_grad(_score: f32, _modded: f32, _at: &ScorePosition, _params: &Tensor<f32>) -> f32 {
+        1.0
+    }
+    fn params_grad(
+        _grad: f32,
+        _score: f32,
+        _modded: f32,
+        _at: &ScorePosition,
+        _params: &Tensor<f32>,
+        _grads: &mut [Atomic<f32>],
+    ) {
+    }
+    fn visible(at: &ScorePosition, _params: &Tensor<f32>) -> bool {
+        (at.key + at.batch) % 7 != 3
+    }
+}
+
+/// [`SequenceBias`]'s parameters, `[batch, heads_q · BUCKETS]` (exact in f32).
+fn sequence_bias_params(s: &Serving) -> Vec<f64> {
+    (0..s.batch * s.heads_q * BUCKETS)
+        .map(|n| ((n * 37) % 19) as f64 / 8.0 - 1.0)
+        .collect()
+}
+
+/// [`SequenceBias`] on the host for sequence `seq` of `seq_kv` keys, which the oracle sees
+/// as batch 0.
+fn host_sequence_bias(s: &Serving, seq: usize, seq_kv: usize) -> HostScoreFn {
+    let params = sequence_bias_params(s);
+    let (heads_q, seq_q) = (s.heads_q, s.s_q);
+    let cell = move |[_, h, i, j]: At| {
+        let distance = (j + seq_q) as i64 - (i + seq_kv) as i64;
+        let max = MAX_DISTANCE as i64;
+        let bucket = distance.clamp(-max, max) + max;
+        (seq * heads_q + h) * BUCKETS + bucket as usize
+    };
+    HostScoreFn {
+        score: Arc::new(move |x, at| x + params[cell(at)]),
+        grad: Arc::new(|_, _| 1.0),
+        visible: Arc::new(move |[_, _, _, j]| (j + seq) % 7 != 3),
+        params_grad: Arc::new(|_, _, _, _| {}),
+        params_len: 0,
+    }
 }
 
 /// The ALiBi slope of sequence `b`'s query head `h` in the tests: a different one for each
@@ -276,6 +385,14 @@ fn run_turned(
         .map(|n| alibi_slope(n / s.heads_q, n % s.heads_q))
         .collect();
     let slopes = upload(client, &slopes, &[s.batch, s.heads_q], FloatDtype::F32);
+    let bias = s.bias.map(|kind| {
+        let bias = bias_values(s, kind, dtype);
+        upload(client, &bias.data, &bias.shape, dtype)
+    });
+    let params = s.score_fn.then(|| {
+        let shape = [s.batch, s.heads_q * BUCKETS];
+        upload(client, &sequence_bias_params(s), &shape, FloatDtype::F32)
+    });
     let inputs = DecodeInputs {
         q: &q,
         cache: KvCache {
@@ -291,7 +408,13 @@ fn run_turned(
             sin,
             interleaved: *interleaved,
         }),
-        alibi_slopes: s.alibi.then_some(&slopes),
+        terms: ScoreBias {
+            bias: bias.as_ref(),
+            alibi_slopes: s.alibi.then_some(&slopes),
+            score_mod: s.score_fn.then(ScoreFn::of::<SequenceBias>),
+            score_params: params.as_ref(),
+            ..ScoreBias::none()
+        },
     };
     let result = decode(client, inputs, dtype, s.options(), splits);
     let contents = download_cache(client, s, d, &k, &v, dtype);
@@ -361,19 +484,44 @@ fn check_sequences(
             ..common::case(dims)
         };
         let slopes: Vec<f64> = (0..s.heads_q).map(|h| alibi_slope(seq, h)).collect();
+        // The sequence's bias: its row, over its keys.
+        let bias = s.bias.map(|kind| {
+            let queries = if kind == BiasKind::Scores { s.s_q } else { 1 };
+            let data = (0..queries)
+                .flat_map(|i| (0..dims.seq_kv).map(move |j| bias_value(kind, seq, i, j, dtype)))
+                .collect();
+            Broadcast4 {
+                data,
+                shape: [1, 1, queries, dims.seq_kv],
+            }
+        });
+        let score_fn = s.score_fn.then(|| host_sequence_bias(s, seq, dims.seq_kv));
         let options = reference::ReferenceOptions {
             alibi_slopes: s.alibi.then(|| slopes.clone()),
+            bias: bias.clone(),
+            score_fn: score_fn.clone(),
             ..case.reference_options()
         };
         let want = reference::forward(&dims, &options, q, &k, &v);
-        let alibi = |_: usize, h: usize, i: usize, j: usize| match s.alibi {
-            true => {
-                -slopes[h] * (i as f64 + dims.seq_kv as f64 - dims.seq_q as f64 - j as f64).abs()
+        let terms = |_: usize, h: usize, i: usize, j: usize| {
+            let mut term = 0.0;
+            if s.alibi {
+                let diagonal = i as f64 + dims.seq_kv as f64 - dims.seq_q as f64;
+                term -= slopes[h] * (diagonal - j as f64).abs();
             }
-            false => 0.0,
+            if let Some(kind) = s.bias {
+                term += bias_value(kind, seq, i, j, dtype);
+            }
+            term
         };
         let zeros = vec![0.0; dims.o_len()];
-        let low = naive::attention_with_terms(&case, dtype, [q, &k, &v, &zeros], &alibi);
+        let low = naive::attention_with_score_fn(
+            &case,
+            dtype,
+            [q, &k, &v, &zeros],
+            &terms,
+            score_fn.as_ref(),
+        );
         let got_out = &out[seq * dims.o_len()..][..dims.o_len()];
         let context = format!("sequence {seq} — {context}");
         assert_close("O", got_out, &want.out, &low.out, 2e-5, &context);
@@ -483,6 +631,8 @@ const fn serving(
         window: (None, None),
         softcap: None,
         alibi: false,
+        bias: None,
+        score_fn: false,
     }
 }
 
@@ -554,6 +704,40 @@ fn decode_matches_the_oracle() {
                 let lengths = edge_lengths(s, &mut rng);
                 check(&client, s, dtype, lengths, splits);
             }
+        }
+    }
+}
+
+/// Score terms in decode: a bias over the cache's positions (values with −∞, or a key
+/// padding mask), ALiBi and a score function reading every part of its position, on a
+/// tensor-core tile with a partial second one (MQA 8:1, 3 new tokens) and a GQA problem
+/// with a window; split and unsplit, lengths from empty to full (the padding mask hides the
+/// one key of sequence 1, which then gives O = 0 and LSE = −∞).
+#[test]
+fn decode_adds_score_terms() {
+    let client = common::client();
+    let (_, mut rng) = common::rng();
+    let problems = [
+        Serving {
+            page_size: Some(8),
+            causal: true,
+            alibi: true,
+            bias: Some(BiasKind::Scores),
+            score_fn: true,
+            ..serving(3, 8, 1, 3, 40, 128)
+        },
+        Serving {
+            window: (Some(5), Some(0)),
+            bias: Some(BiasKind::Padding),
+            score_fn: true,
+            ..serving(4, 4, 2, 1, 37, 64)
+        },
+    ];
+    let dtype = *common::dtypes(&client).last().unwrap();
+    for s in &problems {
+        for splits in [Splits::Auto, Splits::Exactly(3)] {
+            let lengths = edge_lengths(s, &mut rng);
+            check(&client, s, dtype, lengths, splits);
         }
     }
 }
@@ -681,7 +865,7 @@ fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
         new: None,
         lengths: Lengths::ReadBack,
         rotary: None,
-        alibi_slopes: None,
+        terms: ScoreBias::none(),
     };
     let bad = [
         (
@@ -722,7 +906,10 @@ fn bad_decode_input_is_refused_and_the_cache_left_unchanged() {
             // One-dimensional slopes.
             "alibi_slopes",
             DecodeInputs {
-                alibi_slopes: Some(&short),
+                terms: ScoreBias {
+                    alibi_slopes: Some(&short),
+                    ..ScoreBias::none()
+                },
                 ..base
             },
         ),
@@ -809,7 +996,7 @@ fn appends_write_the_cache_in_place() {
             new: Some((&new_k, &new_v)),
             lengths: Lengths::Known(&d.lengths),
             rotary: None,
-            alibi_slopes: None,
+            terms: ScoreBias::none(),
         };
         let result = decode(&client, inputs, dtype, s.options(), splits).expect("decode");
         let held = common::bytes_in_use(&client) - before;
@@ -860,7 +1047,7 @@ fn a_captured_decode_step_replays_for_later_steps() {
             new: Some((&new_k, &new_v)),
             lengths: Lengths::Known(&captured_lengths),
             rotary: None,
-            alibi_slopes: None,
+            terms: ScoreBias::none(),
         };
         decode(&client, inputs, dtype, s.options(), Splits::Exactly(3))
     };
@@ -1120,11 +1307,12 @@ fn rotary_embedding_turns_the_new_queries_and_keys() {
 
 mod op {
     //! The Burn op `flash_attention_with_kvcache`: two decode steps on the test device and on
-    //! Flex (the composed fallback), contiguous and paged (with ALiBi), the second with the
-    //! rotary embedding, against the oracle; the cache the op returns carries the appended
-    //! keys into the next step.
+    //! Flex (the composed fallback), contiguous (with the score function, on the test device)
+    //! and paged (with ALiBi and a key padding mask), the second with the rotary embedding,
+    //! against the oracle; the cache the op returns carries the appended keys into the next
+    //! step.
 
-    use burn::tensor::{Device, Int, Tensor, TensorData};
+    use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
     use burn_flash_attention::{
         AttentionBias, FlashAttentionOptions, KvCache, PagedKvCache, RotaryEmbedding,
         flash_attention_with_kvcache_and_lse, flash_attention_with_kvcache_biased,
@@ -1166,12 +1354,16 @@ mod op {
     fn flash_attention_with_kvcache_matches_the_oracle_step_after_step() {
         let (seed, mut rng) = common::rng();
         for device in [common::burn_device(), Device::flex()] {
+            let fused = device != Device::flex();
             for page_size in [None, Some(3)] {
-                // ALiBi on the paged cache.
+                // ALiBi and a key padding mask on the paged cache; the score function (which
+                // only the kernels run) on the contiguous one.
                 let s = Serving {
                     page_size,
                     causal: true,
                     alibi: page_size.is_some(),
+                    bias: page_size.map(|_| BiasKind::Padding),
+                    score_fn: fused && page_size.is_none(),
                     ..serving(3, 4, 2, 2, 24, 32)
                 };
                 let lengths = vec![5, 0, 9];
@@ -1234,6 +1426,22 @@ mod op {
                         terms = terms
                             .with_alibi(Tensor::from_data(TensorData::new(slopes, shape), &device));
                     }
+                    if let Some(kind) = s.bias {
+                        let bias = bias_values(&s, kind, FloatDtype::F32);
+                        let hidden: Vec<bool> = bias.data.iter().map(|&x| x < 0.0).collect();
+                        let shape = [s.batch, s.capacity];
+                        terms = terms.with_key_padding(Tensor::<2, Bool>::from_data(
+                            TensorData::new(hidden, shape),
+                            &device,
+                        ));
+                    }
+                    if s.score_fn {
+                        let params = sequence_bias_params(&s);
+                        let shape = [s.batch, s.heads_q * BUCKETS];
+                        terms = terms
+                            .with_score_mod::<SequenceBias>()
+                            .with_score_params(tensor(&params, shape, &device));
+                    }
                     let (out, lse, next) = flash_attention_with_kvcache_biased(
                         q,
                         cache,
@@ -1281,20 +1489,57 @@ mod op {
         }
     }
 
-    #[test]
-    #[should_panic(expected = "not a bias tensor")]
-    fn decode_refuses_the_terms_its_kernels_do_not_add() {
+    /// A decode call with `terms` on a cache of 4 positions (2 used), 2 query heads.
+    fn decode_with(terms: impl FnOnce(&Device) -> AttentionBias) {
         let device = common::burn_device();
         let cache = KvCache::contiguous(1, 1, 4, [8, 8], &device);
         let q = Tensor::<4>::zeros([1, 2, 1, 8], &device);
-        let bias = Tensor::<4>::zeros([1, 2, 1, 4], &device);
         let _ = flash_attention_with_kvcache_biased(
             q,
             cache,
             ints(vec![2], [1], &device),
             None,
             None,
-            AttentionBias::new().with_bias(bias),
+            terms(&device),
+            FlashAttentionOptions::default(),
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "not a block mask")]
+    fn decode_refuses_a_block_mask() {
+        use burn_flash_attention::BlockMask;
+        use burn_flash_attention::kernels::{BlockShape, block_mask};
+        decode_with(|device| {
+            let blocks = BlockShape {
+                block_q: 128,
+                block_kv: 128,
+            };
+            let mask = block_mask::BlockMask::prefix_lm(&[2], 1, 4, blocks).unwrap();
+            AttentionBias::new().with_block_mask(BlockMask::new(mask, device))
+        });
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "`bias` has shape [1, 2, 1, 3], expected [1 | 1, 2 | 1, 1 | 1, 4 | 1]"
+    )]
+    fn a_bias_shorter_than_the_cache_is_refused_by_name() {
+        decode_with(|device| AttentionBias::new().with_bias(Tensor::zeros([1, 2, 1, 3], device)));
+    }
+
+    #[test]
+    #[should_panic(expected = "the score function")]
+    fn the_composed_decode_names_the_score_function() {
+        let device = Device::flex();
+        let cache = KvCache::contiguous(1, 1, 4, [8, 8], &device);
+        let _ = flash_attention_with_kvcache_biased(
+            Tensor::<4>::zeros([1, 2, 1, 8], &device),
+            cache,
+            ints(vec![2], [1], &device),
+            None,
+            None,
+            AttentionBias::new().with_score_mod::<SequenceBias>(),
             FlashAttentionOptions::default(),
         );
     }

@@ -53,13 +53,25 @@ pub(crate) enum Layout {
 }
 
 /// Runs forward and backward on the device (outputs poisoned with NaN first) and checks
-/// everything against the oracle.
+/// everything against the oracle, on inputs of a fresh seed ([`common::rng`]).
 pub(crate) fn check_case(
     client: &Client,
     case: &Case,
     dtype: FloatDtype,
     layout: Layout,
     path: KernelPath,
+) {
+    check_case_seeded(client, case, dtype, layout, path, common::rng());
+}
+
+/// [`check_case`] on the inputs `seed` draws from `rng`.
+pub(crate) fn check_case_seeded(
+    client: &Client,
+    case: &Case,
+    dtype: FloatDtype,
+    layout: Layout,
+    path: KernelPath,
+    (seed, mut rng): (u64, rand::rngs::StdRng),
 ) {
     if path == KernelPath::RegisterMma && !(case.dims.dim_qk % 8 == 0 && case.dims.dim_v % 8 == 0) {
         // 16-byte copies: `Auto` runs these head dims on the cmma path (tested there).
@@ -69,7 +81,6 @@ pub(crate) fn check_case(
         );
         return;
     }
-    let (seed, mut rng) = common::rng();
     let context = format!(
         "seed {seed} (FLASH_SEED={seed} reproduces), {path:?}, {dtype:?}, {layout:?}, {case:?}"
     );

@@ -8,6 +8,7 @@ mod common;
 mod decode;
 mod dropout;
 mod examples;
+mod fuzz;
 mod kernels;
 mod op;
 mod oracle;

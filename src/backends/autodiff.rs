@@ -365,7 +365,9 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
         v_new: FloatTensor<Self>,
         rotary_cos: FloatTensor<Self>,
         rotary_sin: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
+        score_params: FloatTensor<Self>,
         options: DecodeOptions,
     ) -> (
         FloatTensor<Self>,
@@ -383,7 +385,9 @@ impl<B: Backend + FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps fo
             v_new.into_primitive(),
             rotary_cos.into_primitive(),
             rotary_sin.into_primitive(),
+            bias.into_primitive(),
             alibi_slopes.into_primitive(),
+            score_params.into_primitive(),
             options,
         );
         (

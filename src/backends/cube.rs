@@ -401,7 +401,9 @@ impl FlashAttentionOps for CubeBackend {
         v_new: FloatTensor<Self>,
         rotary_cos: FloatTensor<Self>,
         rotary_sin: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
         alibi_slopes: FloatTensor<Self>,
+        score_params: FloatTensor<Self>,
         options: DecodeOptions,
     ) -> (
         FloatTensor<Self>,
@@ -432,7 +434,8 @@ impl FlashAttentionOps for CubeBackend {
         );
         let (k_new, v_new) = (device_tensor(k_new), device_tensor(v_new));
         let (cos, sin) = (device_tensor(rotary_cos), device_tensor(rotary_sin));
-        let slopes = device_tensor(alibi_slopes);
+        let terms = score_terms(bias, alibi_slopes, score_params);
+        let [bias, slopes, params] = &terms;
         let result = decode(
             &client,
             DecodeInputs {
@@ -450,7 +453,13 @@ impl FlashAttentionOps for CubeBackend {
                     sin: &sin,
                     interleaved,
                 }),
-                alibi_slopes: options.alibi.then_some(&slopes),
+                terms: ScoreBias {
+                    bias: options.bias.then_some(bias),
+                    alibi_slopes: options.alibi.then_some(slopes),
+                    block_mask: None,
+                    score_mod: options.score_mod,
+                    score_params: options.score_params.then_some(params),
+                },
             },
             float_dtype(dtype),
             options.attention.kernel_options(),

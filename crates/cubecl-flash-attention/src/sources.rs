@@ -596,15 +596,24 @@ fn kernels(
             seq_q: 1,
             ..*problem
         };
-        // ALiBi in the paged, split form of a problem with every option.
-        let alibi = |paged: bool| paged && problem.options.mask.is_masked();
+        // The score terms (bias, ALiBi, a score function) in the paged, split form of a
+        // problem with every option.
+        let decode_terms = |paged: bool| match paged && problem.options.mask.is_masked() {
+            true => ScoreTerms {
+                bias: true,
+                alibi: true,
+                score_mod: Some(ScoreFn::of::<CheckedScoreMod>()),
+                ..ScoreTerms::default()
+            },
+            false => ScoreTerms::default(),
+        };
         for (name, paged, split) in [("decode", false, false), ("decode_paged_split", true, true)] {
             kernels.push((
                 name,
                 decode_config(&decode_problem, limits, paged, split)
                     .map_err(err)
                     .map(|c| DecodeConfig {
-                        alibi: alibi(paged),
+                        terms: decode_terms(paged),
                         ..c
                     })
                     .map(|c| {
@@ -620,6 +629,8 @@ fn kernels(
                             tensor(),
                             tensor(),
                             (),
+                            tensor(),
+                            tensor(),
                             tensor(),
                             tensor(),
                             tensor(),
@@ -649,7 +660,7 @@ fn kernels(
                 continue;
             };
             let c = LanesConfig {
-                alibi: alibi(paged),
+                terms: decode_terms(paged),
                 ..c
             };
             kernels.push((
@@ -666,6 +677,8 @@ fn kernels(
                     tensor(),
                     tensor(),
                     (),
+                    tensor(),
+                    tensor(),
                     tensor(),
                     tensor(),
                     tensor(),
@@ -695,7 +708,7 @@ fn kernels(
                 continue;
             };
             let c = MmaDecodeConfig {
-                alibi: alibi(paged),
+                terms: decode_terms(paged),
                 ..c
             };
             kernels.push((
@@ -712,6 +725,8 @@ fn kernels(
                     tensor(),
                     tensor(),
                     (),
+                    tensor(),
+                    tensor(),
                     tensor(),
                     tensor(),
                     tensor(),

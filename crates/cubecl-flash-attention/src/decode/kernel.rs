@@ -25,7 +25,7 @@ use cubecl::std::FastDivmod;
 
 use super::cache::{load_cache_block, store_block};
 use super::task::DecodeTask;
-use crate::bias::alibi_term;
+use crate::bias::ScoreTerms;
 use crate::mask::Blocks;
 use crate::rotary::RotaryConfig;
 use crate::score::score;
@@ -47,8 +47,8 @@ pub struct DecodeConfig {
     pub columns: usize,
     pub masked: bool,
     pub softcap: bool,
-    /// ALiBi slopes are added to the scores ([`super::task::AlibiRow`]).
-    pub alibi: bool,
+    /// The score terms ([`super::task::RowTerms`]): bias, ALiBi, score function.
+    pub terms: ScoreTerms,
     /// The cache is paged (a block table names the pages).
     pub paged: bool,
     /// The key range is split over cubes: partial outputs in f32 and their LSE, merged after.
@@ -114,7 +114,9 @@ pub fn flash_decode<F: Float>(
     partial_lse: &mut Tensor<f32>,
     rotary_cos: &Tensor<F>,
     rotary_sin: &Tensor<F>,
+    bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    score_params: &Tensor<f32>,
     appended: u32,
     page_size: FastDivmod<u32>,
     scale: f32,
@@ -192,20 +194,6 @@ pub fn flash_decode<F: Float>(
     }
     let mut state = RunningState::init();
     let own_row = UNIT_POS as usize;
-    // The ALiBi of the row each score step scores: the same in every key block.
-    let alibi_steps = comptime!(if config.alibi { pairs } else { 1 });
-    let mut alibi_slope = Array::<f32>::new(alibi_steps);
-    let mut alibi_center = Array::<f32>::new(alibi_steps);
-    if comptime!(config.alibi) {
-        #[unroll]
-        for step in 0..pairs {
-            let r = (step * units + UNIT_POS as usize) / block_kv;
-            let row = task.alibi_row(alibi_slopes, r, true);
-            alibi_slope[step] = row.slope;
-            alibi_center[step] = row.center;
-        }
-    }
-
     // K and V of the next block, in registers.
     let mut k_next = Array::<F>::new(comptime!(config.loads_per_unit(dim_qk)));
     let mut v_next = Array::<F>::new(comptime!(config.loads_per_unit(dim_v)));
@@ -290,8 +278,9 @@ pub fn flash_decode<F: Float>(
             let key = k0 + i32::cast_from(j);
             let visible = in_block && task.sees(r, key, config.masked);
             let mut s = score(dot, scale, softcap, config.softcap);
-            if comptime!(config.alibi) {
-                s += alibi_term(alibi_slope[step], f32::cast_from(key) - alibi_center[step]);
+            if comptime!(config.terms.any()) {
+                let terms = task.row_terms(bias, alibi_slopes, r, config.terms);
+                s = terms.apply(bias, score_params, s, key, config.terms);
             }
             let s = select(visible, s, f32::new(MASKED));
             if config.plane_softmax {

@@ -27,7 +27,7 @@ use cubecl::std::FastDivmod;
 use super::cache::cache_slot;
 use super::stages::{StageBarriers, step_count};
 use super::task::{DecodeTask, write_merged};
-use crate::bias::alibi_term;
+use crate::bias::ScoreTerms;
 use crate::rotary::RotaryConfig;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability, row_reduce_sum};
@@ -58,8 +58,8 @@ pub struct LanesConfig {
     pub row_groups: usize,
     pub masked: bool,
     pub softcap: bool,
-    /// ALiBi slopes are added to the scores ([`super::task::AlibiRow`]).
-    pub alibi: bool,
+    /// The score terms ([`super::task::RowTerms`]): bias, ALiBi, score function.
+    pub terms: ScoreTerms,
     pub paged: bool,
     pub split: bool,
 }
@@ -119,7 +119,9 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
     partial_lse: &mut Tensor<f32>,
     rotary_cos: &Tensor<F>,
     rotary_sin: &Tensor<F>,
+    bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    score_params: &Tensor<f32>,
     appended: u32,
     page_size: FastDivmod<u32>,
     scale: f32,
@@ -207,7 +209,9 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
             &mut row_max,
             &mut row_sum,
             &mut scores,
+            bias,
             alibi_slopes,
+            score_params,
             scale,
             softcap,
             config,
@@ -228,7 +232,9 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
             &mut row_max,
             &mut row_sum,
             &mut scores,
+            bias,
             alibi_slopes,
+            score_params,
             scale,
             softcap,
             config,
@@ -295,7 +301,9 @@ fn stream_through_registers<F: Float, N: Size>(
     row_max: &mut Array<f32>,
     row_sum: &mut Array<f32>,
     scores: &mut Array<f32>,
+    bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    score_params: &Tensor<f32>,
     scale: f32,
     softcap: f32,
     #[comptime] config: LanesConfig,
@@ -357,7 +365,9 @@ fn stream_through_registers<F: Float, N: Size>(
             row_max,
             row_sum,
             scores,
+            bias,
             alibi_slopes,
+            score_params,
             scale,
             softcap,
             config,
@@ -385,7 +395,9 @@ fn stream_through_shared<F: Float, N: Size>(
     row_max: &mut Array<f32>,
     row_sum: &mut Array<f32>,
     scores: &mut Array<f32>,
+    bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    score_params: &Tensor<f32>,
     scale: f32,
     softcap: f32,
     #[comptime] config: LanesConfig,
@@ -468,7 +480,9 @@ fn stream_through_shared<F: Float, N: Size>(
             row_max,
             row_sum,
             scores,
+            bias,
             alibi_slopes,
+            score_params,
             scale,
             softcap,
             config,
@@ -551,7 +565,9 @@ fn fold_step<F: Float, N: Size>(
     row_max: &mut Array<f32>,
     row_sum: &mut Array<f32>,
     scores: &mut Array<f32>,
+    bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    score_params: &Tensor<f32>,
     scale: f32,
     softcap: f32,
     #[comptime] config: LanesConfig,
@@ -559,18 +575,6 @@ fn fold_step<F: Float, N: Size>(
     let unroll = config.unroll;
     let own = comptime!(config.rows_per_lane());
     let slots = comptime!(config.slots());
-    // The rows' ALiBi, where on: `−slope · |key − center|`.
-    let alibi_rows = comptime!(if config.alibi { own } else { 1 });
-    let mut alibi_slope = Array::<f32>::new(alibi_rows);
-    let mut alibi_center = Array::<f32>::new(alibi_rows);
-    if comptime!(config.alibi) {
-        #[unroll]
-        for r in 0..own {
-            let row = task.alibi_row(alibi_slopes, lane.first + r, true);
-            alibi_slope[r] = row.slope;
-            alibi_center[r] = row.center;
-        }
-    }
     #[unroll]
     for u in 0..unroll {
         let key = Vector::<f32, N>::cast_from(keys[u]);
@@ -585,8 +589,9 @@ fn fold_step<F: Float, N: Size>(
             }
             let dot = row_reduce_sum(dot, comptime!(config.lanes_per_key()));
             let mut s = score(dot, scale, softcap, config.softcap);
-            if comptime!(config.alibi) {
-                s += alibi_term(alibi_slope[r], f32::cast_from(position) - alibi_center[r]);
+            if comptime!(config.terms.any()) {
+                let terms = task.row_terms(bias, alibi_slopes, lane.first + r, config.terms);
+                s = terms.apply(bias, score_params, s, position, config.terms);
             }
             scores[u * own + r] = select(
                 task.sees(lane.first + r, position, config.masked),

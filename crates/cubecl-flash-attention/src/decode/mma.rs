@@ -22,7 +22,7 @@ use cubecl::std::FastDivmod;
 use super::cache::{CacheSlot, cache_slot};
 use super::stages::{StageBarriers, step_count};
 use super::task::{DecodeTask, write_merged};
-use crate::bias::alibi_term;
+use crate::bias::ScoreTerms;
 use crate::config::FRAGMENT;
 use crate::mma_sync::{
     LoadAddress, Pair, accumulators_as_a, load_a, load_b, load_b_transposed, mma, zeros,
@@ -56,8 +56,8 @@ pub struct MmaDecodeConfig {
     pub stages: usize,
     pub masked: bool,
     pub softcap: bool,
-    /// ALiBi slopes are added to the scores ([`super::task::AlibiRow`]).
-    pub alibi: bool,
+    /// The score terms ([`super::task::RowTerms`]): bias, ALiBi, score function.
+    pub terms: ScoreTerms,
     pub paged: bool,
     pub split: bool,
 }
@@ -119,7 +119,9 @@ pub fn flash_decode_mma<F: Float>(
     partial_lse: &mut Tensor<f32>,
     rotary_cos: &Tensor<F>,
     rotary_sin: &Tensor<F>,
+    bias: &Tensor<F>,
     alibi_slopes: &Tensor<f32>,
+    score_params: &Tensor<f32>,
     appended: u32,
     page_size: FastDivmod<u32>,
     scale: f32,
@@ -184,17 +186,9 @@ pub fn flash_decode_mma<F: Float>(
         }
     }
 
-    // The ALiBi of the lane's rows `group` (0) and `group + 8` (1), where on.
-    let mut alibi_slope = Array::<f32>::new(2usize);
-    let mut alibi_center = Array::<f32>::new(2usize);
-    if comptime!(config.alibi) {
-        #[unroll]
-        for half in 0..2usize {
-            let row = task.alibi_row(alibi_slopes, group + 8 * half, true);
-            alibi_slope[half] = row.slope;
-            alibi_center[half] = row.center;
-        }
-    }
+    // The score terms of the lane's rows `group` and `group + 8`.
+    let near_terms = task.row_terms(bias, alibi_slopes, group, config.terms);
+    let far_terms = task.row_terms(bias, alibi_slopes, group + 8, config.terms);
 
     // The plane's output tile and the softmax state of the lane's rows `group` (0) and
     // `group + 8` (1); the row sums stay per lane until the end.
@@ -323,10 +317,13 @@ pub fn flash_decode_mma<F: Float>(
             #[unroll]
             for e in 0..2usize {
                 let mut s = score(pair.extract(e), scale, softcap, config.softcap);
-                if comptime!(config.alibi) {
+                if comptime!(config.terms.any()) {
                     let key = k0 + i32::cast_from((at / 2) * TILE_COLS + 2 * in_group + e);
-                    let half = at % 2;
-                    s += alibi_term(alibi_slope[half], f32::cast_from(key) - alibi_center[half]);
+                    if at % 2 == 0 {
+                        s = near_terms.apply(bias, score_params, s, key, config.terms);
+                    } else {
+                        s = far_terms.apply(bias, score_params, s, key, config.terms);
+                    }
                 }
                 pair.insert(e, s);
             }

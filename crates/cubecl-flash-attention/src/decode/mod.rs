@@ -23,7 +23,7 @@ mod tuning;
 
 use cubecl::prelude::*;
 
-use crate::bias::check_alibi_slopes;
+use crate::bias::{ScoreBias, ScoreTerms, TermsGrad};
 use crate::config::{DeviceLimits, FRAGMENT, portable_columns};
 use crate::error::FlashError;
 use crate::launch::{DeviceTensor, check_dtype, readable_by_16_byte_copies, softcap_arg};
@@ -69,10 +69,17 @@ pub struct DecodeInputs<'a> {
     /// positions `cache_seqlens[b] + i`; queries likewise under a causal or window mask,
     /// else all to `cache_seqlens[b]` (FlashAttention's convention).
     pub rotary: Option<Rotary<'a>>,
-    /// ALiBi slopes `[batch | 1, heads_q]` (f32): `−slope · |i + seq_kv − s_q − j|` added
-    /// to the score of query `i` and key `j` ([`crate::bias`]), `seq_kv` the sequence's
-    /// keys after the append.
-    pub alibi_slopes: Option<&'a DeviceTensor>,
+    /// Score terms, as the training kernels take them ([`crate::bias`],
+    /// [`crate::score_mod`]), of query `i` (of the `s_q` new ones) and key `j` (a position
+    /// of the sequence, `seq_kv = cache_seqlens[b] + s_new` of them after the append):
+    /// - a bias `[batch | 1, heads_q | 1, s_q | 1, capacity | 1]` in the dtype of `q`,
+    ///   indexed by key position (a boolean mask is a bias of 0 and −∞);
+    /// - ALiBi slopes `[batch | 1, heads_q]` (f32): `−slope · |i + seq_kv − s_q − j|`;
+    /// - a score function and its parameters, at batch `b`, query `i`, key `j` and the
+    ///   lengths `s_q` and `seq_kv`.
+    ///
+    /// Block masks describe training-shaped problems and are refused.
+    pub terms: ScoreBias<'a>,
 }
 
 /// Where the launcher learns each sequence's length.
@@ -448,7 +455,7 @@ pub fn decode_config(
         columns: portable_columns(problem.dim_qk.max(problem.dim_v), limits),
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
-        alibi: false,
+        terms: ScoreTerms::default(),
         paged,
         split,
         plane_softmax: limits.plane_ops
@@ -523,7 +530,7 @@ pub fn mma_decode_config(
         stages: stages.clamp(2, 3),
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
-        alibi: false,
+        terms: ScoreTerms::default(),
         paged,
         split,
     };
@@ -599,7 +606,7 @@ pub fn lanes_config(
         stages: stages.clamp(2, 3),
         masked: problem.options.mask.is_masked(),
         softcap: problem.options.softcap.is_some(),
-        alibi: false,
+        terms: ScoreTerms::default(),
         paged,
         split,
     };
@@ -636,9 +643,13 @@ pub fn decode(
         });
     }
     check_dtype(client, dtype)?;
-    if let Some(slopes) = inputs.alibi_slopes {
-        check_alibi_slopes(slopes, &problem)?;
+    if inputs.terms.block_mask.is_some() {
+        return Err(FlashError::Option {
+            arg: "block_mask",
+            expected: "none: decode takes a bias, ALiBi and a score function".into(),
+        });
     }
+    let terms = inputs.terms.terms(&problem, TermsGrad::default())?;
     let s_new = check_new(&inputs, &geometry)?;
     let longest_cached = check_lengths(client, &inputs, &geometry, s_new)?;
     let longest = longest_cached + s_new;
@@ -741,9 +752,7 @@ pub fn decode(
             })
         }
     };
-    let kernel = kernel
-        .split(splits > 1)
-        .alibi(inputs.alibi_slopes.is_some());
+    let kernel = kernel.split(splits > 1).terms(terms);
     let vector = match kernel {
         Kernel::Lanes(config) => config.vector,
         Kernel::Staged(_) | Kernel::Mma(_) => 1,
@@ -824,8 +833,8 @@ pub fn decode(
             DeviceTensor::empty(client, &[1, 1], 4),
         ),
     };
-    // Without ALiBi the slopes are never read: the lengths stand in for them.
-    let alibi_slopes = inputs.alibi_slopes.unwrap_or(inputs.cache_seqlens);
+    // Absent terms are never read: the queries and the lengths stand in for them.
+    let [bias, alibi_slopes, score_params] = inputs.terms.args(q, inputs.cache_seqlens);
     let mask = problem
         .options
         .mask
@@ -851,7 +860,9 @@ pub fn decode(
                 partial_lse.arg(),
                 rotary_cos.arg(),
                 rotary_sin.arg(),
+                bias.arg(),
                 alibi_slopes.arg(),
+                score_params.arg(),
                 s_new as u32,
                 page_size,
                 problem.scale(),
@@ -884,7 +895,9 @@ pub fn decode(
                 partial_lse.arg(),
                 rotary_cos.arg(),
                 rotary_sin.arg(),
+                bias.arg(),
                 alibi_slopes.arg(),
+                score_params.arg(),
                 s_new as u32,
                 page_size,
                 problem.scale(),
@@ -916,7 +929,9 @@ pub fn decode(
                 partial_lse.arg(),
                 rotary_cos.arg(),
                 rotary_sin.arg(),
+                bias.arg(),
                 alibi_slopes.arg(),
+                score_params.arg(),
                 s_new as u32,
                 page_size,
                 problem.scale(),
@@ -990,11 +1005,11 @@ impl Kernel {
         }
     }
 
-    fn alibi(self, alibi: bool) -> Self {
+    fn terms(self, terms: ScoreTerms) -> Self {
         match self {
-            Self::Lanes(c) => Self::Lanes(LanesConfig { alibi, ..c }),
-            Self::Staged(c) => Self::Staged(DecodeConfig { alibi, ..c }),
-            Self::Mma(c) => Self::Mma(MmaDecodeConfig { alibi, ..c }),
+            Self::Lanes(c) => Self::Lanes(LanesConfig { terms, ..c }),
+            Self::Staged(c) => Self::Staged(DecodeConfig { terms, ..c }),
+            Self::Mma(c) => Self::Mma(MmaDecodeConfig { terms, ..c }),
         }
     }
 

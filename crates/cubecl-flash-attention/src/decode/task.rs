@@ -8,9 +8,10 @@
 
 use cubecl::prelude::*;
 
-use crate::bias::{alibi_slope, alibi_term};
+use crate::bias::{BiasLine, ScoreTerms};
 use crate::mask::Mask;
 use crate::rotary::{RotaryConfig, rotated};
+use crate::score_mod::ScoreCall;
 use crate::softmax::{MASKED, RunningState};
 
 #[derive(CubeType, Clone, Copy)]
@@ -27,6 +28,8 @@ pub struct DecodeTask {
     pub seq_q: usize,
     /// Positions in the cache before this call's append (`cache_seqlens[b]`).
     pub cached: usize,
+    /// The sequence's keys: `cached` and the appended ones.
+    pub seq_kv: usize,
     /// The mask against the sequence's keys (`cache_seqlens[b]` plus the appended ones).
     pub mask: Mask,
     /// The keys of this cube's split, `[begin, end)`: a multiple of `step` keys from the
@@ -80,6 +83,7 @@ impl DecodeTask {
             heads_q,
             seq_q,
             cached,
+            seq_kv,
             mask,
             begin,
             end: min(begin + share, key_last),
@@ -139,19 +143,26 @@ impl DecodeTask {
         value
     }
 
-    /// Row `r`'s ALiBi ([`crate::bias`]): its query head's slope in `slopes` `[b | 1,
-    /// h_q]` and its query's diagonal; a zero slope where `alibi` is off or the row is past
-    /// the K/V head's rows.
-    pub fn alibi_row(&self, slopes: &Tensor<f32>, r: usize, #[comptime] alibi: bool) -> AlibiRow {
-        let mut slope = 0.0f32;
-        if alibi {
-            if self.has_row(r) {
-                slope = alibi_slope(slopes, self.batch, self.head_q(r));
-            }
-        }
-        AlibiRow {
-            slope,
-            center: f32::cast_from(self.mask.diagonal() + i32::cast_from(self.query(r))),
+    /// Row `r`'s score terms ([`RowTerms`]); a row past the K/V head's rows takes the last
+    /// row's (its scores are hidden).
+    pub fn row_terms<F: Float>(
+        &self,
+        bias: &Tensor<F>,
+        slopes: &Tensor<f32>,
+        r: usize,
+        #[comptime] terms: ScoreTerms,
+    ) -> RowTerms {
+        let row = min(self.first_row + r, self.packed - 1);
+        let head = self.head_kv * self.group + row / self.seq_q;
+        let query = row % self.seq_q;
+        // An empty sequence scores no key: its terms only need to be well defined.
+        let seq_kv = max(self.seq_kv, 1usize);
+        RowTerms {
+            line: BiasLine::along_keys(
+                bias, slopes, self.batch, head, query, self.seq_q, seq_kv, terms,
+            ),
+            call: ScoreCall::new(self.batch, head, self.seq_q, seq_kv),
+            query,
         }
     }
 
@@ -207,18 +218,32 @@ impl DecodeTask {
     }
 }
 
-/// One row's ALiBi: `−slope · |key − center|` added to its score of `key`.
+/// One packed row's score terms, as the training kernels add them ([`crate::bias`],
+/// [`crate::score_mod`]): the bias and ALiBi along the row's keys, then the score function
+/// at the row's query head and query (counted from the first new query, the keys from the
+/// sequence's first position: `seq_kv − s_q` apart on the diagonal).
 #[derive(CubeType, Clone, Copy)]
-pub struct AlibiRow {
-    pub slope: f32,
-    pub center: f32,
+pub struct RowTerms {
+    line: BiasLine,
+    call: ScoreCall,
+    query: usize,
 }
 
 #[cube]
-impl AlibiRow {
-    /// The term added to the score of `key`.
-    pub fn term(&self, key: i32) -> f32 {
-        alibi_term(self.slope, f32::cast_from(key) - self.center)
+impl RowTerms {
+    /// Score `s` of `key` with the terms `terms` compiles in: [`MASKED`] where the bias is
+    /// −∞ or the score function hides the key; `s` as is without terms.
+    pub fn apply<F: Float>(
+        &self,
+        bias: &Tensor<F>,
+        params: &Tensor<f32>,
+        s: f32,
+        key: i32,
+        #[comptime] terms: ScoreTerms,
+    ) -> f32 {
+        let key = usize::cast_from(max(key, 0i32));
+        let s = self.line.add(bias, s, key, 1.0f32, terms);
+        self.call.apply(s, self.query, key, params, terms.score_mod)
     }
 }
 

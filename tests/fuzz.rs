@@ -1,0 +1,243 @@
+//! Property-based fuzzing of the training kernels against the f64 oracle (`proptest`):
+//! batch, heads and GQA ratio, `s_q` and `s_kv` drawn independently, head dims (odd ones
+//! and `d_v ≠ d_qk` included), causal, windows, softcap, scale, dropout and the
+//! deterministic backward alone and combined, every dtype, input layout and kernel path of
+//! the device; O, LSE, dQ, dK and dV by FlashAttention's tolerance rule, rows that see no
+//! key exactly O = 0 and LSE = −∞ ([`check_case_seeded`]). A failure shrinks to the
+//! smallest case that still fails and is printed with the seed of its inputs.
+//!
+//! - `FLASH_FUZZ_CASES=n`: cases to run; by default a few on a CPU driver (each new head
+//!   dim or option set compiles kernels, slowly there) and more on a GPU. Long runs set
+//!   thousands.
+//! - `FLASH_FUZZ_SEED=n`: the run's seed (printed first); the same seed on the same device
+//!   draws the same cases.
+//! - `FLASH_PATH` keeps one kernel path, as for the other kernel tests.
+
+use burn_flash_attention::kernels::loop_budget;
+use burn_flash_attention::kernels::{
+    AttentionProblem, DeviceLimits, Dropout, FloatDtype, KernelPath,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngSeed, TestError, TestRunner};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::common::{self, Case, case, dims};
+use crate::kernels::{Layout, check_case_seeded};
+
+/// One drawn case: the problem and options, which of the device's dtypes and kernel paths
+/// runs it (indices, taken modulo the device's lists), the inputs' layout and seed.
+#[derive(Clone, Debug)]
+struct Drawn {
+    case: Case,
+    dtype: usize,
+    path: usize,
+    layout: Layout,
+    seed: u64,
+}
+
+/// How large the drawn problems grow: the oracle runs them in f64 on the host.
+#[derive(Clone, Copy, Debug)]
+struct Bounds {
+    batch: usize,
+    heads_kv: usize,
+    group: usize,
+    seq: usize,
+    /// Head dims drawn, besides any in `8..=256` on GPUs.
+    dims: &'static [usize],
+    any_dim: bool,
+    /// Most `b · h_q · s_q · s_kv · (d_qk + d_v)` a case may cost the oracle.
+    work: usize,
+}
+
+/// On a CPU driver: a few head dims (each compiles its kernels) and short sequences.
+const CPU: Bounds = Bounds {
+    batch: 2,
+    heads_kv: 2,
+    group: 3,
+    seq: 96,
+    dims: &[8, 40, 64, 72],
+    any_dim: false,
+    work: 4_000_000,
+};
+
+/// On a GPU: up to 2048 positions, 32 query heads, any head dim up to 256.
+const GPU: Bounds = Bounds {
+    batch: 4,
+    heads_kv: 4,
+    group: 8,
+    seq: 2048,
+    dims: &[32, 40, 64, 72, 80, 96, 111, 128, 136, 192, 200, 256],
+    any_dim: true,
+    work: 400_000_000,
+};
+
+/// Lengths from 1, most of them short: odd sizes around tile edges are where bugs hide.
+fn seq_len(most: usize) -> BoxedStrategy<usize> {
+    prop_oneof![
+        3 => 1..=17usize,
+        4 => 1..=most.min(300),
+        2 => 1..=most,
+    ]
+    .boxed()
+}
+
+fn head_dim(bounds: Bounds) -> BoxedStrategy<usize> {
+    let listed = proptest::sample::select(bounds.dims);
+    match bounds.any_dim {
+        // Mostly listed dims: each new one compiles its kernels.
+        true => prop_oneof![7 => listed, 1 => 8..=256usize].boxed(),
+        false => listed.boxed(),
+    }
+}
+
+/// Causal, a window (either side may be unbounded) or neither.
+fn mask() -> impl Strategy<Value = (bool, (Option<usize>, Option<usize>))> {
+    prop_oneof![
+        2 => Just((false, (None, None))),
+        2 => Just((true, (None, None))),
+        // A causal mask with a left window: sliding-window attention.
+        1 => (0..=64usize).prop_map(|left| (true, (Some(left), Some(0)))),
+        1 => (proptest::option::of(0..=64usize), proptest::option::of(0..=64usize))
+            .prop_map(|window| (false, window)),
+    ]
+}
+
+fn drawn(bounds: Bounds) -> impl Strategy<Value = Drawn> {
+    let shape = (
+        1..=bounds.batch,
+        1..=bounds.heads_kv,
+        1..=bounds.group,
+        seq_len(bounds.seq),
+        seq_len(bounds.seq),
+        head_dim(bounds),
+        prop_oneof![3 => Just(None), 1 => head_dim(bounds).prop_map(Some)],
+    );
+    let options = (
+        mask(),
+        proptest::option::weighted(0.3, 1.0f64..50.0),
+        proptest::option::weighted(0.2, prop_oneof![-0.5f64..-0.01, 0.01f64..0.5]),
+        proptest::option::weighted(0.2, (0.0f32..0.5, any::<u64>(), any::<u32>())),
+        proptest::bool::weighted(0.2),
+    );
+    let layout = prop_oneof![
+        3 => Just(Layout::Contiguous),
+        1 => Just(Layout::Bshd),
+        1 => Just(Layout::PaddedRows),
+    ];
+    (shape, options, 0..3usize, 0..3usize, layout, any::<u64>()).prop_map(
+        move |(
+            (batch, heads_kv, group, seq_q, seq_kv, dim_qk, dim_v),
+            ((causal, window), softcap, scale, dropout, deterministic),
+            dtype,
+            path,
+            layout,
+            seed,
+        )| {
+            let dim_v = dim_v.unwrap_or(dim_qk);
+            // Fewer sequences and heads where the oracle's work would pass the bound.
+            let (mut batch, mut heads_kv) = (batch, heads_kv);
+            let work = |b: usize, h: usize| b * h * group * seq_q * seq_kv * (dim_qk + dim_v);
+            while work(batch, heads_kv) > bounds.work && batch * heads_kv > 1 {
+                if batch >= heads_kv {
+                    batch -= 1;
+                } else {
+                    heads_kv -= 1;
+                }
+            }
+            let dims = dims(
+                batch,
+                heads_kv * group,
+                heads_kv,
+                seq_q,
+                seq_kv,
+                dim_qk,
+                dim_v,
+            );
+            Drawn {
+                case: Case {
+                    causal,
+                    window,
+                    softcap,
+                    scale,
+                    deterministic,
+                    dropout: dropout.map(|(p, seed, offset)| Dropout { p, seed, offset }),
+                    ..case(dims)
+                },
+                dtype,
+                path,
+                layout,
+                seed,
+            }
+        },
+    )
+}
+
+/// The problem drawn, unless the oracle could not afford it (a single long sequence pair
+/// at a wide head dim).
+fn affordable(d: &Drawn, bounds: Bounds) -> bool {
+    let x = &d.case.dims;
+    x.batch * x.heads_q * x.seq_q * x.seq_kv * (x.dim_qk + x.dim_v) <= bounds.work
+}
+
+#[test]
+fn random_problems_match_the_oracle() {
+    let client = common::client();
+    let limits = DeviceLimits::from_properties(client.properties());
+    let bounds = match common::is_cpu_device() {
+        true => CPU,
+        false => GPU,
+    };
+    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+    let default = if common::is_cpu_device() { 16 } else { 64 };
+    let cases = env("FLASH_FUZZ_CASES").map_or(default, |n| n as u32);
+    let seed = env("FLASH_FUZZ_SEED").unwrap_or_else(rand::random);
+    eprintln!("fuzzing {cases} cases, FLASH_FUZZ_SEED={seed}");
+    let mut runner = TestRunner::new(Config {
+        cases,
+        rng_seed: RngSeed::Fixed(seed),
+        failure_persistence: None,
+        // Each shrinking step reruns the kernels and the oracle.
+        max_shrink_iters: 64,
+        max_global_rejects: cases * 4,
+        ..Config::default()
+    });
+    let dtypes = common::dtypes(&client);
+    let result = runner.run(&drawn(bounds), |d| {
+        prop_assume!(affordable(&d, bounds));
+        let dtype = dtypes[d.dtype % dtypes.len()];
+        let paths = common::paths(&client, dtype);
+        let path = paths[d.path % paths.len()];
+        let problem = problem(&d.case, dtype);
+        // The portable kernels refuse what the driver's loop budget cannot run.
+        if path == KernelPath::Portable {
+            prop_assume!(loop_budget::check_problem(&problem, &limits).is_ok());
+        }
+        let rng = StdRng::seed_from_u64(d.seed);
+        check_case_seeded(&client, &d.case, dtype, d.layout, path, (d.seed, rng));
+        Ok(())
+    });
+    match result {
+        Ok(()) => eprintln!("{cases} cases passed (FLASH_FUZZ_SEED={seed})"),
+        Err(TestError::Fail(reason, minimal)) => panic!(
+            "the smallest failing case: {minimal:#?}\n{reason}\n(FLASH_FUZZ_SEED={seed} draws \
+             this run again)"
+        ),
+        Err(TestError::Abort(reason)) => {
+            panic!("fuzzing stopped: {reason} (FLASH_FUZZ_SEED={seed})")
+        }
+    }
+}
+
+/// The kernels' view of `case` in `dtype`.
+fn problem(case: &Case, dtype: FloatDtype) -> AttentionProblem {
+    let d = &case.dims;
+    AttentionProblem::new(
+        &[d.batch, d.heads_q, d.seq_q, d.dim_qk],
+        &[d.batch, d.heads_kv, d.seq_kv, d.dim_qk],
+        &[d.batch, d.heads_kv, d.seq_kv, d.dim_v],
+        dtype,
+        case.options(),
+    )
+    .expect("a drawn problem is well formed")
+}
