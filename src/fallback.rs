@@ -46,6 +46,14 @@ fn attention_from_batch(
 ) -> (Tensor<4>, Tensor<3>) {
     let [batch, heads_q, seq_q, dim_qk] = q.dims();
     let [_, heads_kv, seq_kv, _] = k.dims();
+    // Nothing to compute (Burn broadcasts no dimension of size 0): an empty output, or rows
+    // that see no key (O = 0, LSE = −∞).
+    if batch * heads_q * seq_q * seq_kv == 0 {
+        let rows = [batch, heads_q, seq_q];
+        let out = Tensor::<4>::zeros([batch, heads_q, seq_q, v.dims()[3]], &q.device());
+        let lse = Tensor::<3>::full(rows, f32::NEG_INFINITY, &q.device());
+        return (out.cast(q.dtype()), lse.cast(FloatDType::F32));
+    }
     let group = heads_q / heads_kv;
     let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
     let scale = options

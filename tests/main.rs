@@ -10,6 +10,7 @@ mod dropout;
 mod examples;
 mod fuzz;
 mod kernels;
+mod misuse;
 mod op;
 mod oracle;
 mod score_mod;

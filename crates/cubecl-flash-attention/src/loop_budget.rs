@@ -83,7 +83,7 @@ pub fn dkdv_iterations(problem: &AttentionProblem, config: &TileConfig) -> u64 {
         + run(queries)
         + queries * (2 * row(dqk, c) + 2 * row(dv, c));
     let blocks = problem.seq_q.div_ceil(block) as u64;
-    let group = (problem.heads_q / problem.heads_kv) as u64;
+    let group = problem.group_size() as u64;
     3 * (row(dqk, c) + row(dv, c)) + run(group) + group * (run(0) + blocks * per_block)
 }
 
@@ -153,7 +153,7 @@ pub fn check(
              in total and would return wrong results. Shorter sequences fit; a GPU runs any length",
             problem.seq_q,
             problem.seq_kv,
-            problem.heads_q / problem.heads_kv,
+            problem.group_size(),
             problem.dim_qk,
             problem.dim_v,
         ))),
@@ -166,7 +166,8 @@ pub fn check(
 /// can then take another path before anything is launched (the Burn op takes its composed
 /// attention).
 pub fn check_problem(problem: &AttentionProblem, limits: &DeviceLimits) -> Result<(), FlashError> {
-    if limits.loop_iterations.is_none() {
+    // An empty problem launches nothing.
+    if limits.loop_iterations.is_none() || problem.is_empty() {
         return Ok(());
     }
     crate::forward::portable_config(problem, limits)?;

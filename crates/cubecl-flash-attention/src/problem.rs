@@ -104,7 +104,8 @@ impl AttentionProblem {
                 ),
             ));
         }
-        if heads_kv == 0 || heads_q % heads_kv != 0 {
+        // No heads at all is an empty problem; otherwise K/V heads divide the query's.
+        if (heads_kv == 0 && heads_q != 0) || (heads_kv != 0 && heads_q % heads_kv != 0) {
             return Err(shape_err(
                 "key",
                 kshape,
@@ -182,8 +183,9 @@ impl AttentionProblem {
     }
 
     /// Query heads per key/value head.
+    /// Query heads per K/V head (0 for a problem without heads).
     pub fn group_size(&self) -> usize {
-        self.heads_q / self.heads_kv
+        self.heads_q / self.heads_kv.max(1)
     }
 
     pub fn out_shape(&self) -> [usize; 4] {
