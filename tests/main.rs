@@ -14,6 +14,7 @@ mod misuse;
 mod op;
 mod oracle;
 mod score_mod;
+mod soak;
 // The offline (ahead-of-time) compile checks, the longest test (tests run one at a time:
 // `.cargo/config.toml`).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
