@@ -3,6 +3,7 @@
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Tensor};
+use cubecl_flash_attention::launch::MAX_SPAN;
 use cubecl_flash_attention::{AttentionProblem, DeviceLimits, FloatDtype, loop_budget};
 
 use crate::fallback;
@@ -25,8 +26,15 @@ use crate::options::FlashAttentionOptions;
 /// (lavapipe) for problems whose kernels would pass its loop budget (see the kernels'
 /// `loop_budget`), with the `[s_q, s_kv]` scores in memory.
 ///
+/// The kernels address at most 2^32 − 1 elements of a tensor: a batch whose tensors are
+/// larger runs as several calls of fewer sequences each, their outputs
+/// (and, under autodiff, gradients) concatenated.
+///
 /// # Panics
-/// On mismatched shapes, head counts, dtypes or devices, with a message naming the argument.
+/// On mismatched shapes, head counts, dtypes or devices, with a message naming the argument;
+/// where one sequence alone passes the kernels' 2^32 − 1 elements, naming the tensor; on
+/// dropout in a batch that runs as several calls (each would number its sequences from 0
+/// and draw the others' masks).
 pub fn flash_attention(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -49,6 +57,25 @@ pub fn flash_attention_with_lse(
     if !fused_kernels_take(&q.device(), &problem) {
         return fallback::attention(q, k, v, &options);
     }
+    if let Some(chunk) = batch_chunk(&problem) {
+        assert!(
+            options.dropout.is_none_or(|d| !d.is_active()),
+            "flash_attention: `dropout` in a batch of {} sequences, which runs as calls of {chunk} \
+             (its tensors pass the kernels' 2^32 − 1 elements): each call would draw the masks \
+             of the first sequences again; split the batch and give each part its own offset",
+            problem.batch
+        );
+        let batch = problem.batch;
+        let (outs, lses): (Vec<_>, Vec<_>) = (0..batch)
+            .step_by(chunk)
+            .map(|first| {
+                let part = first..(first + chunk).min(batch);
+                let [q, k, v] = [&q, &k, &v].map(|t| t.clone().slice([part.clone()]));
+                flash_attention_with_lse(q, k, v, options)
+            })
+            .unzip();
+        return (Tensor::cat(outs, 0), Tensor::cat(lses, 0));
+    }
     let (o, lse) = <Dispatch as FlashAttentionOps>::flash_attention_fwd(
         q.into_dispatch(),
         k.into_dispatch(),
@@ -56,6 +83,21 @@ pub fn flash_attention_with_lse(
         options,
     );
     (Tensor::from_dispatch(o), Tensor::from_dispatch(lse))
+}
+
+/// Sequences per call where `problem`'s tensors (counted as contiguous, the gradients'
+/// f32 sums included) would pass the 2^32 − 1 elements the kernels address, else `None`.
+/// At least 1: a sequence that alone passes it is refused by the kernels, naming the tensor.
+pub(crate) fn batch_chunk(problem: &AttentionProblem) -> Option<usize> {
+    let per_sequence = [
+        problem.heads_q * problem.seq_q * problem.dim_qk.max(problem.dim_v),
+        problem.heads_kv * problem.seq_kv * problem.dim_qk.max(problem.dim_v),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0);
+    let fits = MAX_SPAN.checked_div(per_sequence).unwrap_or(usize::MAX);
+    (problem.batch > fits).then_some(fits.max(1))
 }
 
 /// Whether tensors on `device` run the fused kernels (CUDA, ROCm and wgpu devices), rather
@@ -139,4 +181,30 @@ pub(crate) fn validate(
         options.kernel_options(),
     )
     .unwrap_or_else(|e| panic!("flash_attention: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use cubecl_flash_attention::{AttentionOptions, FloatDtype};
+
+    use super::*;
+
+    fn problem(batch: usize, heads_q: usize, seq: usize, dim: usize) -> AttentionProblem {
+        let q = [batch, heads_q, seq, dim];
+        let kv = [batch, 1, seq, dim];
+        let options = AttentionOptions::default();
+        AttentionProblem::new(&q, &kv, &kv, FloatDtype::BF16, options).unwrap()
+    }
+
+    #[test]
+    fn batches_past_32_bit_offsets_run_in_parts_that_fit() {
+        // 2^20 elements a sequence: 4095 sequences stay within 2^32 − 1 elements.
+        assert_eq!(batch_chunk(&problem(4095, 8, 1024, 128)), None);
+        assert_eq!(batch_chunk(&problem(4096, 8, 1024, 128)), Some(4095));
+        assert_eq!(batch_chunk(&problem(8000, 8, 1024, 128)), Some(4095));
+        // One sequence past the limit: parts of one, which the kernels then refuse.
+        assert_eq!(batch_chunk(&problem(2, 64, 1 << 20, 128)), Some(1));
+        // Nothing to address.
+        assert_eq!(batch_chunk(&problem(0, 8, 1024, 128)), None);
+    }
 }

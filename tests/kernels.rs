@@ -806,3 +806,35 @@ fn problems_just_within_the_loop_budget_are_right() {
         );
     }
 }
+
+/// A tensor whose elements lie past 2^32 − 1 of its start (here a view whose second
+/// sequence sits 2^32 elements on) is refused naming it: the kernels compute 32-bit
+/// offsets, which would wrap.
+#[test]
+fn tensors_past_32_bit_offsets_are_refused_by_name() {
+    let client = common::client();
+    let t = |s: &[usize]| DeviceTensor::empty(&client, s, 4);
+    let (q, k) = (t(&[2, 2, 8, 16]), t(&[2, 2, 8, 16]));
+    let far = DeviceTensor {
+        shape: vec![2, 2, 8, 16],
+        strides: vec![1 << 32, 128, 16, 1],
+        handle: k.handle.clone(),
+    };
+    for (arg, [q, k, v]) in [("query", [&far, &k, &k]), ("value", [&q, &k, &far])] {
+        let err = forward(
+            &client,
+            q,
+            k,
+            v,
+            FloatDtype::F32,
+            Default::default(),
+            KernelPath::Auto,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, FlashError::Shape { arg: a, .. } if a == arg)
+                && err.to_string().contains("32-bit offsets"),
+            "{arg}: {err}"
+        );
+    }
+}

@@ -9,6 +9,7 @@ mod decode;
 mod dropout;
 mod examples;
 mod fuzz;
+mod huge;
 mod kernels;
 mod misuse;
 mod op;

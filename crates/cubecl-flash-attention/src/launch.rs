@@ -106,6 +106,31 @@ impl DeviceTensor {
     }
 }
 
+/// The most elements a kernel reaches from a tensor's start: the kernels compute offsets in
+/// 32 bits (CubeCL's default address type), so a tensor may span at most `2^32 − 1`.
+pub const MAX_SPAN: usize = u32::MAX as usize;
+
+/// Checks that each tensor's elements lie within [`MAX_SPAN`] of its start; an error naming
+/// the first that does not, before anything is launched (past it, offsets would wrap).
+pub(crate) fn check_spans<'a>(
+    tensors: impl IntoIterator<Item = (&'static str, &'a DeviceTensor)>,
+) -> Result<(), FlashError> {
+    for (arg, t) in tensors {
+        if t.span() > MAX_SPAN {
+            return Err(FlashError::Shape {
+                arg,
+                shape: t.shape.clone(),
+                expected: format!(
+                    "at most 2^32 − 1 elements from its start to its last (the kernels compute \
+                     32-bit offsets); it spans {}: split the batch",
+                    t.span()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// The batch, head and row strides and the sequence length of a `[batch, heads, seq, ·]`
 /// tensor as 32-bit launch scalars ([`RowLayout`](crate::tile::RowLayout)).
 fn row_layout_parts(

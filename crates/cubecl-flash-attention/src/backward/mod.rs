@@ -38,8 +38,8 @@ use crate::config::{
 use crate::error::FlashError;
 use crate::forward::packed_problem;
 use crate::launch::{
-    DeviceTensor, check_dtype, expect_shape, grid, readable_by_16_byte_copies, softcap_arg,
-    window_args,
+    DeviceTensor, MAX_SPAN, check_dtype, check_spans, expect_shape, grid,
+    readable_by_16_byte_copies, softcap_arg, window_args,
 };
 use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
@@ -164,6 +164,15 @@ fn backward_with_terms(
         let limits = DeviceLimits::from_properties(client.properties());
         loop_budget::check("bias-gradient sum", folded as u64, &problem, &limits)?;
         terms.bias_grad_sums = false;
+        if full.iter().product::<usize>() > MAX_SPAN {
+            return Err(FlashError::Option {
+                arg: "deterministic",
+                expected: format!(
+                    "false for this bias: its deterministic gradient sums a whole {full:?} \
+                     gradient, past the 2^32 − 1 elements the kernels address"
+                ),
+            });
+        }
         full_dbias = Some(DeviceTensor::zeros_f32(client, &full));
     }
     let grads = Gradients {
@@ -412,6 +421,26 @@ fn launch(
     let Saved { q, k, v, out, lse } = saved;
     let (mut problem, dtype) = (*problem, problem.dtype);
     check_dtype(client, dtype)?;
+    let terms_tensors = [("bias", bias.bias), ("score_params", bias.score_params)];
+    check_spans(
+        [
+            ("query", q),
+            ("key", k),
+            ("value", v),
+            ("out", out),
+            ("lse", lse),
+            ("d_out", d_out),
+            ("dq", &grads.dq),
+            ("dk", &grads.dk),
+            ("dv", &grads.dv),
+        ]
+        .into_iter()
+        .chain(
+            terms_tensors
+                .into_iter()
+                .filter_map(|(arg, t)| Some((arg, t?))),
+        ),
+    )?;
     let (cu_q, cu_kv) = cu_seqlens(packed, lse);
     let is_packed = packed.is_some();
     let limits = DeviceLimits::from_properties(client.properties());

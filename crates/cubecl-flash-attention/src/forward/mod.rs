@@ -13,8 +13,8 @@ use crate::config::{
 };
 use crate::error::FlashError;
 use crate::launch::{
-    DeviceTensor, check_dtype, expect_shape, grid, readable_by_16_byte_copies, softcap_arg,
-    window_args,
+    DeviceTensor, check_dtype, check_spans, expect_shape, grid, readable_by_16_byte_copies,
+    softcap_arg, window_args,
 };
 use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
@@ -278,6 +278,22 @@ fn launch(
     if problem.is_empty() {
         return Ok(());
     }
+    let terms_tensors = [("bias", bias.bias), ("score_params", bias.score_params)];
+    check_spans(
+        [
+            ("query", q),
+            ("key", k),
+            ("value", v),
+            ("out", out),
+            ("lse", lse),
+        ]
+        .into_iter()
+        .chain(
+            terms_tensors
+                .into_iter()
+                .filter_map(|(arg, t)| Some((arg, t?))),
+        ),
+    )?;
     let (cu_q, cu_kv) = cu_seqlens(packed, lse);
     let is_packed = packed.is_some();
     let limits = DeviceLimits::from_properties(client.properties());
