@@ -61,10 +61,14 @@ pub(crate) fn check_case(
     layout: Layout,
     path: KernelPath,
 ) {
-    check_case_seeded(client, case, dtype, layout, path, common::rng());
+    if let Err(e) = check_case_seeded(client, case, dtype, layout, path, common::rng()) {
+        panic!("{path:?} refused {case:?} in {dtype:?}: {e}");
+    }
 }
 
-/// [`check_case`] on the inputs `seed` draws from `rng`.
+/// [`check_case`] on the inputs `seed` draws from `rng`; `Err` where the path refuses the
+/// problem on this device (`FlashError::Unavailable`: a head dim, scale or size it does not
+/// take), before anything runs.
 pub(crate) fn check_case_seeded(
     client: &Client,
     case: &Case,
@@ -72,14 +76,14 @@ pub(crate) fn check_case_seeded(
     layout: Layout,
     path: KernelPath,
     (seed, mut rng): (u64, rand::rngs::StdRng),
-) {
+) -> Result<(), FlashError> {
     if path == KernelPath::RegisterMma && !(case.dims.dim_qk % 8 == 0 && case.dims.dim_v % 8 == 0) {
         // 16-byte copies: `Auto` runs these head dims on the cmma path (tested there).
         eprintln!(
             "RegisterMma skips head dims {}/{}",
             case.dims.dim_qk, case.dims.dim_v
         );
-        return;
+        return Ok(());
     }
     let context = format!(
         "seed {seed} (FLASH_SEED={seed} reproduces), {path:?}, {dtype:?}, {layout:?}, {case:?}"
@@ -101,8 +105,10 @@ pub(crate) fn check_case_seeded(
 
     let out = poisoned(client, &os, dtype);
     let lse = poisoned(client, &os[..3], FloatDtype::F32);
-    forward_into(client, &q, &k, &v, &out, &lse, dtype, case.options(), path)
-        .unwrap_or_else(|e| panic!("forward: {e} — {context}"));
+    match forward_into(client, &q, &k, &v, &out, &lse, dtype, case.options(), path) {
+        Err(e @ FlashError::Unavailable(_)) => return Err(e),
+        result => result.unwrap_or_else(|e| panic!("forward: {e} — {context}")),
+    }
 
     let grads = Gradients {
         dq: poisoned(client, &qs, dtype),
@@ -116,8 +122,10 @@ pub(crate) fn check_case_seeded(
         out: &out,
         lse: &lse,
     };
-    backward_into(client, saved, &d_out, &grads, dtype, case.options(), path)
-        .unwrap_or_else(|e| panic!("backward: {e} — {context}"));
+    match backward_into(client, saved, &d_out, &grads, dtype, case.options(), path) {
+        Err(e @ FlashError::Unavailable(_)) => return Err(e),
+        result => result.unwrap_or_else(|e| panic!("backward: {e} — {context}")),
+    }
 
     client
         .read_one(grads.dq.handle.clone())
@@ -192,6 +200,7 @@ pub(crate) fn check_case_seeded(
             );
         }
     }
+    Ok(())
 }
 
 #[test]

@@ -516,13 +516,8 @@ pub fn mma_decode_config(
     if !applies {
         return None;
     }
-    // Defaults (H200 A/B runs): 4 planes of 16 keys a step, 2 stages.
-    let (mut planes, mut block, mut stages) = (4, 16, 2);
-    if let Some([p, b, s]) = tuning().mma.as_deref() {
-        (planes, block, stages) = (*p, *b, *s);
-    }
     let packed = problem.group_size() * problem.seq_q;
-    let config = MmaDecodeConfig {
+    let config = |planes: usize, block: usize, stages: usize| MmaDecodeConfig {
         rows: packed.next_power_of_two().min(MmaDecodeConfig::TILE_ROWS),
         dim,
         planes: planes.max(1),
@@ -534,9 +529,21 @@ pub fn mma_decode_config(
         paged,
         split,
     };
-    let fits = config.units() <= limits.max_units_per_cube
-        && config.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory;
-    fits.then_some(config)
+    let fits = |config: &MmaDecodeConfig| {
+        config.units() <= limits.max_units_per_cube
+            && config.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory
+    };
+    if let Some([p, b, s]) = tuning().mma.as_deref() {
+        return Some(config(*p, *b, *s)).filter(fits);
+    }
+    // Planes of 16 keys a step, 2 stages: 8 planes from d = 128 where they fit (H100 A/B,
+    // 2026-12-07: 1.00–1.13× over 4 planes at all 18 points of 4k–32k × b = 1, 8, 32 ×
+    // 32:8 and 8:1), else 4 (as measured on the H200 before).
+    let wide = config(8, 16, 2);
+    match dim >= 128 && fits(&wide) {
+        true => Some(wide),
+        false => Some(config(4, 16, 2)).filter(fits),
+    }
 }
 
 /// The tiles of [`lanes::flash_decode_lanes`] for `problem` on this device, or `None` where
