@@ -106,6 +106,14 @@ impl ScoreBias<'_> {
         Self::default()
     }
 
+    /// The terms' tensors the kernels index by position (the bias and the score function's
+    /// parameters), named, where present.
+    pub(crate) fn indexed_tensors(&self) -> impl Iterator<Item = (&'static str, &DeviceTensor)> {
+        [("bias", self.bias), ("score_params", self.score_params)]
+            .into_iter()
+            .filter_map(|(arg, t)| Some((arg, t?)))
+    }
+
     /// The kernels' `bias`, `alibi_slopes` and `score_params` arguments: the tensors, or
     /// for an absent one a token the kernel never reads, `like_bias` (a tensor of the bias's
     /// dtype) or `like_f32`.

@@ -421,7 +421,6 @@ fn launch(
     let Saved { q, k, v, out, lse } = saved;
     let (mut problem, dtype) = (*problem, problem.dtype);
     check_dtype(client, dtype)?;
-    let terms_tensors = [("bias", bias.bias), ("score_params", bias.score_params)];
     check_spans(
         [
             ("query", q),
@@ -435,11 +434,7 @@ fn launch(
             ("dv", &grads.dv),
         ]
         .into_iter()
-        .chain(
-            terms_tensors
-                .into_iter()
-                .filter_map(|(arg, t)| Some((arg, t?))),
-        ),
+        .chain(bias.indexed_tensors()),
     )?;
     let (cu_q, cu_kv) = cu_seqlens(packed, lse);
     let is_packed = packed.is_some();

@@ -278,7 +278,6 @@ fn launch(
     if problem.is_empty() {
         return Ok(());
     }
-    let terms_tensors = [("bias", bias.bias), ("score_params", bias.score_params)];
     check_spans(
         [
             ("query", q),
@@ -288,11 +287,7 @@ fn launch(
             ("lse", lse),
         ]
         .into_iter()
-        .chain(
-            terms_tensors
-                .into_iter()
-                .filter_map(|(arg, t)| Some((arg, t?))),
-        ),
+        .chain(bias.indexed_tensors()),
     )?;
     let (cu_q, cu_kv) = cu_seqlens(packed, lse);
     let is_packed = packed.is_some();
