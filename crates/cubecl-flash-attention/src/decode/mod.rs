@@ -536,14 +536,10 @@ pub fn mma_decode_config(
     if let Some([p, b, s]) = tuning().mma.as_deref() {
         return Some(config(*p, *b, *s)).filter(fits);
     }
-    // Planes of 16 keys a step, 2 stages: 8 planes from d = 128 where they fit (H100 A/B,
-    // 2026-12-07: 1.00–1.13× over 4 planes at all 18 points of 4k–32k × b = 1, 8, 32 ×
-    // 32:8 and 8:1), else 4 (as measured on the H200 before).
-    let wide = config(8, 16, 2);
-    match dim >= 128 && fits(&wide) {
-        true => Some(wide),
-        false => Some(config(4, 16, 2)).filter(fits),
-    }
+    // 4 planes of 16 keys a step, 2 stages (H200 A/B runs). 8 planes (`8,16,2`) were
+    // 1.00–1.13× faster at all 18 points of an H100 call (docs/benchmarks.md); they become
+    // the default once an H200 confirms them.
+    Some(config(4, 16, 2)).filter(fits)
 }
 
 /// The tiles of [`lanes::flash_decode_lanes`] for `problem` on this device, or `None` where
