@@ -182,7 +182,6 @@ impl AttentionProblem {
             .unwrap_or_else(|| 1.0 / (self.dim_qk as f32).sqrt())
     }
 
-    /// Query heads per key/value head.
     /// Query heads per K/V head (0 for a problem without heads).
     pub fn group_size(&self) -> usize {
         self.heads_q / self.heads_kv.max(1)

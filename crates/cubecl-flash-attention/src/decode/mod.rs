@@ -26,7 +26,9 @@ use cubecl::prelude::*;
 use crate::bias::{ScoreBias, ScoreTerms, TermsGrad};
 use crate::config::{DeviceLimits, FRAGMENT, portable_columns};
 use crate::error::FlashError;
-use crate::launch::{DeviceTensor, check_dtype, readable_by_16_byte_copies, softcap_arg};
+use crate::launch::{
+    DeviceTensor, check_dtype, check_spans, readable_by_16_byte_copies, softcap_arg,
+};
 use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
 
@@ -516,8 +518,15 @@ pub fn mma_decode_config(
     if !applies {
         return None;
     }
+    // 4 planes of 16 keys a step, 2 stages (H200 A/B runs). 8 planes (`8,16,2`) were
+    // 1.00–1.13× faster at all 18 points of an H100 call (docs/benchmarks.md); they become
+    // the default once an H200 confirms them.
+    let (mut planes, mut block, mut stages) = (4, 16, 2);
+    if let Some([p, b, s]) = tuning().mma.as_deref() {
+        (planes, block, stages) = (*p, *b, *s);
+    }
     let packed = problem.group_size() * problem.seq_q;
-    let config = |planes: usize, block: usize, stages: usize| MmaDecodeConfig {
+    let config = MmaDecodeConfig {
         rows: packed.next_power_of_two().min(MmaDecodeConfig::TILE_ROWS),
         dim,
         planes: planes.max(1),
@@ -529,17 +538,9 @@ pub fn mma_decode_config(
         paged,
         split,
     };
-    let fits = |config: &MmaDecodeConfig| {
-        config.units() <= limits.max_units_per_cube
-            && config.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory
-    };
-    if let Some([p, b, s]) = tuning().mma.as_deref() {
-        return Some(config(*p, *b, *s)).filter(fits);
-    }
-    // 4 planes of 16 keys a step, 2 stages (H200 A/B runs). 8 planes (`8,16,2`) were
-    // 1.00–1.13× faster at all 18 points of an H100 call (docs/benchmarks.md); they become
-    // the default once an H200 confirms them.
-    Some(config(4, 16, 2)).filter(fits)
+    let fits = config.units() <= limits.max_units_per_cube
+        && config.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory;
+    fits.then_some(config)
 }
 
 /// The tiles of [`lanes::flash_decode_lanes`] for `problem` on this device, or `None` where
@@ -653,6 +654,13 @@ pub fn decode(
         });
     }
     let terms = inputs.terms.terms(&problem, TermsGrad::default())?;
+    // The caches past 32-bit offsets take the lanes kernel (below); the queries and the
+    // terms the kernels index by position must stay within them.
+    check_spans(
+        [("query", q)]
+            .into_iter()
+            .chain(inputs.terms.indexed_tensors()),
+    )?;
     let s_new = check_new(&inputs, &geometry)?;
     let longest_cached = check_lengths(client, &inputs, &geometry, s_new)?;
     let longest = longest_cached + s_new;
