@@ -62,14 +62,15 @@ fn cases() -> Vec<TermsCase> {
             grad: true,
             blocks: None,
         },
-        // Broadcast over the batch (gradient summed), window and softcap.
+        // Broadcast over the batch (gradient summed), window and softcap; the window's
+        // keys start past the first key block and end in a partial one.
         TermsCase {
             case: Case {
                 window: (Some(8), Some(4)),
                 softcap: Some(5.0),
-                ..case(dims(2, 2, 1, 33, 48, 64, 64))
+                ..case(dims(2, 2, 1, 33, 150, 64, 64))
             },
-            bias: Some([1, 2, 33, 48]),
+            bias: Some([1, 2, 33, 150]),
             hidden: |_, _, i, j| (i + j) % 7 == 0,
             alibi: Alibi::None,
             grad: true,
@@ -107,6 +108,20 @@ fn cases() -> Vec<TermsCase> {
             },
             bias: Some([1, 2, 1, 31]),
             hidden: |_, _, _, j| j == 3,
+            alibi: Alibi::None,
+            grad: true,
+            blocks: None,
+        },
+        // A full-shape bias over several key and query blocks at d = 128 (the warpgroup
+        // kernels' head dim on sm_90, which read a block's bias before its products), the
+        // last blocks partial, causal with s_q < s_kv.
+        TermsCase {
+            case: Case {
+                causal: true,
+                ..case(dims(1, 2, 1, 130, 200, 128, 128))
+            },
+            bias: Some([1, 2, 130, 200]),
+            hidden: |_, h, i, j| h == 1 && (i * 7 + j) % 11 == 0,
             alibi: Alibi::None,
             grad: true,
             blocks: None,

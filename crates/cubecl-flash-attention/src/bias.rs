@@ -448,11 +448,42 @@ pub fn backward_lse(lse: f32) -> f32 {
     select(lse < f32::new(MASKED), f32::new(-MASKED), lse)
 }
 
+/// Reads one line's bias at the lane's positions of accumulator tiles side by side (the
+/// layout of [`add_to_columns`]) into pairs `2 · (first + n) + half` of `read`, one pair per
+/// tile. Issued before a block's product, the loads run under it; [`add_to_columns`] then
+/// adds them (`ahead`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn read_columns<F: Float>(
+    read: &mut Array<Pair<F>>,
+    first: usize,
+    #[comptime] tiles: usize,
+    half: usize,
+    p0: usize,
+    line: &BiasLine,
+    bias: &Tensor<F>,
+) {
+    let lane_p0 = p0 + 2 * (UNIT_POS_PLANE as usize % 4);
+    #[unroll]
+    for n in 0..tiles {
+        let at = 2 * (first + n) + half;
+        let mut pair = read[at];
+        #[unroll]
+        for e in 0..2usize {
+            let p = lane_p0 + n * 8 + e;
+            pair.insert(e, bias[line.offset + min(p, line.last) * line.stride]);
+        }
+        read[at] = pair;
+    }
+}
+
 /// Adds one line's terms to the lane's elements of accumulator tiles side by side, in the
 /// layout of [`crate::mma_sync::hide_columns`]: pairs `2 · (first + n) + half` hold
 /// positions `p0 + 8n + 2 · (lane % 4)` and the next one. `unit` converts natural-log
 /// units into the accumulator's. ALiBi costs an add and a multiply-add per score: the
-/// distance from the diagonal is counted in f32 from the lane's first position.
+/// distance from the diagonal is counted in f32 from the lane's first position. With
+/// `ahead`, the bias comes from the same pairs of `read` ([`read_columns`]), else from
+/// `bias` (`read` may then be a token array).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn add_to_columns<F: Float>(
@@ -463,8 +494,10 @@ pub fn add_to_columns<F: Float>(
     p0: usize,
     line: &BiasLine,
     bias: &Tensor<F>,
+    read: &Array<Pair<F>>,
     unit: f32,
     #[comptime] terms: ScoreTerms,
+    #[comptime] ahead: bool,
 ) {
     let lane_p0 = p0 + 2 * (UNIT_POS_PLANE as usize % 4);
     let from_center = f32::cast_from(lane_p0) - line.center;
@@ -478,8 +511,12 @@ pub fn add_to_columns<F: Float>(
             let offset = n * 8 + e;
             let mut s = pair.extract(e);
             if comptime!(terms.bias) {
-                let p = lane_p0 + offset;
-                let b = f32::cast_from(bias[line.offset + min(p, line.last) * line.stride]);
+                let b = if comptime!(ahead) {
+                    f32::cast_from(read[at].extract(e))
+                } else {
+                    let p = lane_p0 + offset;
+                    f32::cast_from(bias[line.offset + min(p, line.last) * line.stride])
+                };
                 s = max(s + b * unit, f32::new(MASKED));
             }
             if comptime!(terms.alibi) {

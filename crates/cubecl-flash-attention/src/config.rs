@@ -355,6 +355,10 @@ pub struct RegisterMmaConfig {
     /// `O += P·V`, which takes a second barrier per block where warpgroups fence their
     /// reads.
     pub kv_together: bool,
+    /// Read a key block's bias into registers before the block's `S` product, so that the
+    /// loads run under the product rather than after it (when the problem has a bias): the
+    /// warpgroup kernels, whose accumulators leave room for the block's bias pairs.
+    pub bias_ahead: bool,
 }
 
 impl RegisterMmaConfig {
@@ -479,6 +483,7 @@ pub fn choose_register_mma_tiles(
         q_in_registers: true,
         warpgroup: None,
         kv_together: false,
+        bias_ahead: false,
     };
     // sm_90: warpgroup products, two warpgroups of 64 query rows sharing the key blocks:
     // 64 keys at d = 64, 128 at d = 128. Swept on the H200 (bf16, s = 1k/4k, causal and not,
@@ -493,6 +498,7 @@ pub fn choose_register_mma_tiles(
             q_in_registers: false,
             warpgroup: Some(dtype),
             kv_together: true,
+            bias_ahead: true,
             ..base
         };
         if config.forward_shared_bytes(elem) <= limits.max_shared_memory {
@@ -557,6 +563,9 @@ pub struct RegisterBackwardConfig {
     /// `d_qk = d_v ∈ {64, 128}`, dQ in its own pass ([`warpgroup_products`]). The default
     /// where it applies (`FLASH_WGMMA=0` turns it off for comparison, see `backward::tuned`).
     pub warpgroup: Option<FloatDtype>,
+    /// Read a streamed block's bias into registers before the block's products (when the
+    /// problem has a bias), as [`RegisterMmaConfig::bias_ahead`]: the warpgroup kernels.
+    pub bias_ahead: bool,
 }
 
 /// How the dK/dV kernel with [`RegisterBackwardConfig::atomic_dq`] shares a query block's
@@ -718,6 +727,7 @@ pub fn choose_register_backward_tiles(
                 atomic_dq,
                 paired_atomics: limits.paired_f32_atomics,
                 warpgroup,
+                bias_ahead: warpgroup.is_some(),
             },
         )
         .find(|c| {

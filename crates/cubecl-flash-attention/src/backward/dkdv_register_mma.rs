@@ -31,7 +31,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use crate::bias::{BiasLine, ScoreTerms, add_to_columns, base2_scores};
+use crate::bias::{BiasLine, ScoreTerms, add_to_columns, base2_scores, read_columns};
 use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::dropout::{DropoutArgs, apply_keep_bits};
@@ -266,6 +266,11 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         landed_0.commit_copy_async();
     }
 
+    // A streamed block's bias at the lane's scores, read before the block's products (the
+    // layout of the scores; a token array unless the bias is read ahead).
+    let bias_ahead = comptime!(config.bias_ahead && terms.bias);
+    let mut bias_read = Array::<Pair<F>>::new(comptime!(if bias_ahead { 2 * s_tiles } else { 1 }));
+
     for step in 0..steps {
         let stage = usize::cast_from(step % 2);
         let next = 1 - stage;
@@ -275,6 +280,31 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         let next_step = (step + 1) % blocks.count;
         let next_q0 =
             usize::cast_from(sparse.start(block_words, &blocks, next_step, block_q, view));
+        if comptime!(bias_ahead) {
+            let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
+            #[unroll]
+            for half in 0..2usize {
+                let line = BiasLine::along_queries(
+                    bias,
+                    alibi_slopes,
+                    sequence.index,
+                    head_q,
+                    k_begin + plane_row + group + 8 * half,
+                    seq_q,
+                    seq_kv,
+                    terms,
+                );
+                read_columns(
+                    &mut bias_read,
+                    0,
+                    s_tiles,
+                    half,
+                    usize::cast_from(q0),
+                    &line,
+                    bias,
+                );
+            }
+        }
 
         // Q and dO of this block (and K, V with the first) have landed; every unit is done
         // with the previous block, so the other stage may be refilled.
@@ -476,8 +506,10 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     p0,
                     &line,
                     bias,
+                    &bias_read,
                     LOG2_E,
                     terms,
+                    bias_ahead,
                 );
                 if comptime!(with_fn) {
                     // The function's input is kept by the dQ kernel alone.

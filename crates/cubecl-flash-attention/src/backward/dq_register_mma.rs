@@ -21,6 +21,7 @@ use cubecl::prelude::*;
 
 use crate::bias::{
     BiasGradLine, BiasLine, ScoreTerms, add_grad_columns, add_to_columns, base2_scores,
+    read_columns,
 };
 use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
@@ -175,6 +176,11 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
         }
     }
 
+    // A streamed block's bias at the lane's scores, read before the block's products (the
+    // layout of the scores; a token array unless the bias is read ahead).
+    let bias_ahead = comptime!(config.bias_ahead && terms.bias);
+    let mut bias_read = Array::<Pair<F>>::new(comptime!(if bias_ahead { 2 * s_tiles } else { 1 }));
+
     let call = ScoreCall::new(sequence.index, head.head_q, seq_q, seq_kv);
     let mut dq_acc = zeros(comptime!(2 * dq_tiles));
     let mut s_acc = zeros(comptime!(2 * s_tiles));
@@ -259,6 +265,21 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
         let next_tile = min(block + 1, blocks.count - 1);
         let next_k0 =
             usize::cast_from(sparse.start(block_words, &blocks, next_tile, block_k, view));
+        if comptime!(bias_ahead) {
+            #[unroll]
+            for half in 0..2usize {
+                let line = terms_line.moved_to((line_offset[half], line_center[half]));
+                read_columns(
+                    &mut bias_read,
+                    0,
+                    s_tiles,
+                    half,
+                    usize::cast_from(k0),
+                    &line,
+                    bias,
+                );
+            }
+        }
 
         // K and V of this block (and Q, dO with the first) have landed; every unit is done
         // with the previous block, so the other stage may be refilled.
@@ -421,8 +442,10 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
                     k0_u,
                     &line,
                     bias,
+                    &bias_read,
                     LOG2_E,
                     terms,
+                    bias_ahead,
                 );
                 if comptime!(with_fn) {
                     let row = q_begin + plane_row + group + 8 * half;

@@ -826,12 +826,20 @@ pub(crate) fn register_backward_config(
 /// without warpgroup products (sm_90), for comparison; `FLASH_MMA_BWD_TILES=planes,block_stream`
 /// (e.g. `8,32`) sets the tiles of the `mma.sync` kernels (no warpgroup products),
 /// `FLASH_WGMMA_BWD_TILES=planes` (4 or 8: one or two warpgroups per cube) those of the
-/// warpgroup kernels.
+/// warpgroup kernels; `FLASH_BIAS_AHEAD=0` (or `fwd`) reads the bias after the products
+/// ([`RegisterBackwardConfig::bias_ahead`]).
 fn tuned(
     config: RegisterBackwardConfig,
     problem: &AttentionProblem,
     limits: &DeviceLimits,
 ) -> Result<RegisterBackwardConfig, FlashError> {
+    let mut config = config;
+    if matches!(
+        std::env::var("FLASH_BIAS_AHEAD").as_deref(),
+        Ok("0" | "fwd")
+    ) {
+        config.bias_ahead = false;
+    }
     let config = match std::env::var("FLASH_WGMMA").as_deref() {
         Ok("0") if config.warpgroup.is_some() => choose_register_backward_tiles(
             problem,

@@ -468,7 +468,10 @@ fn plan(
 /// the tiles chosen without warpgroup products (sm_90), for comparison;
 /// `FLASH_WGMMA_FWD_TILES=planes,block_kv[,together]` (e.g. `8,64` or `8,128,0`) sets the
 /// warpgroup kernel's tiles (and whether K and V are awaited together),
-/// `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers` (e.g. `2,64,0`) the `mma.sync` kernel's.
+/// `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers` (e.g. `2,64,0`) the `mma.sync` kernel's;
+/// `FLASH_BIAS_AHEAD=0` reads the bias after the products
+/// ([`RegisterMmaConfig::bias_ahead`]; `=fwd` keeps the forward's alone, see
+/// `backward::tuned`).
 pub(crate) fn register_mma_config(
     problem: &AttentionProblem,
     limits: &DeviceLimits,
@@ -480,7 +483,10 @@ pub(crate) fn register_mma_config(
         },
         _ => *limits,
     };
-    let config = choose_register_mma_tiles(problem, &limits)?;
+    let mut config = choose_register_mma_tiles(problem, &limits)?;
+    if std::env::var("FLASH_BIAS_AHEAD").as_deref() == Ok("0") {
+        config.bias_ahead = false;
+    }
     let shared_bytes =
         |config: &RegisterMmaConfig| config.forward_shared_bytes(problem.dtype.size());
     if config.warpgroup.is_some() {

@@ -26,7 +26,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use crate::bias::{BiasLine, ScoreTerms, add_to_columns};
+use crate::bias::{BiasLine, ScoreTerms, add_to_columns, read_columns};
 use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, RegisterMmaConfig};
 use crate::dropout::{DropoutArgs, apply_keep_bits};
@@ -157,6 +157,14 @@ pub fn flash_forward_mma<F: Float>(
     // bias and its ALiBi center, kept across the key blocks (a token array without terms).
     let terms_rows = comptime!(if terms.any() { 2 * m_tiles } else { 1 });
     let mut line_offset = Array::<usize>::new(terms_rows);
+    // A key block's bias at the lane's scores, read before the block's product (the layout
+    // of the scores; a token array unless the bias is read ahead).
+    let bias_ahead = comptime!(config.bias_ahead && terms.bias);
+    let mut bias_read = Array::<Pair<F>>::new(comptime!(if bias_ahead {
+        2 * m_tiles * s_tiles
+    } else {
+        1
+    }));
     let mut line_center = Array::<f32>::new(terms_rows);
     let terms_line = BiasLine::along_keys(
         bias,
@@ -278,6 +286,22 @@ pub fn flash_forward_mma<F: Float>(
             block_kv,
             view,
         );
+
+        if comptime!(bias_ahead) {
+            #[unroll]
+            for r in 0..comptime!(2 * m_tiles) {
+                let line = terms_line.moved_to((line_offset[r], line_center[r]));
+                read_columns(
+                    &mut bias_read,
+                    (r / 2) * s_tiles,
+                    s_tiles,
+                    r % 2,
+                    usize::cast_from(k0),
+                    &line,
+                    bias,
+                );
+            }
+        }
 
         // K of this block (and Q, with the first; and V, when awaited together) has landed;
         // every unit is done with the previous block, so the other stage may be refilled.
@@ -434,8 +458,10 @@ pub fn flash_forward_mma<F: Float>(
                     p0,
                     &line,
                     bias,
+                    &bias_read,
                     terms_unit,
                     terms,
+                    bias_ahead,
                 );
             }
         }
