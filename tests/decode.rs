@@ -1489,6 +1489,66 @@ mod op {
         }
     }
 
+    /// The Burn op appends into the cache it is given: a step that moves the cache in and
+    /// takes it back reserves no device memory for a cache (the pool cleaned up first, so
+    /// that any new buffer shows), and its appended keys are read back from the returned
+    /// cache. A cache still shared with another tensor is copied first, which the same
+    /// measure sees, and the other tensor keeps its contents.
+    #[test]
+    fn the_op_appends_in_place_unless_the_cache_is_shared() {
+        let device = common::burn_device();
+        let client = common::client();
+        let (b, hq, hkv, cap, d) = (2, 4, 2, 4096, 64);
+        let cache_bytes = (b * hkv * cap * d * 4) as u64;
+        let lengths = vec![100i64, 7];
+        let options = FlashAttentionOptions::default().with_causal(true);
+        let new_key = |fill: f32| Tensor::<4>::full([b, hkv, 1, d], fill, &device);
+        // One step appending `fill`, the reserved memory's growth over it, and the cache.
+        let step = |cache: KvCache, fill: f32| {
+            let q = Tensor::<4>::ones([b, hq, 1, d], &device);
+            let (k, v) = (new_key(fill), new_key(fill));
+            let seqlens = ints(lengths.clone(), [b], &device);
+            device.sync().expect("the device runs");
+            client.memory_cleanup().expect("the pool cleans up");
+            let reserved = |c: &cubecl::client::Client| {
+                cubecl::future::block_on(c.sync()).expect("device synced");
+                c.memory_report(cubecl::MemoryScope::Device).usage().bytes_reserved
+            };
+            let before = reserved(&client);
+            let (out, _, cache) =
+                flash_attention_with_kvcache_and_lse(q, cache, seqlens, Some((k, v)), None, options);
+            let out = values(out);
+            assert!(out.iter().all(|x| x.is_finite()), "the step's output");
+            (reserved(&client).saturating_sub(before), cache)
+        };
+        let appended = |cache: &KvCache, fill: f32| {
+            let k = values(cache.k.clone());
+            (0..b * hkv).all(|bh| {
+                let at = (bh * cap + lengths[bh / hkv] as usize) * d;
+                k[at..at + d].iter().all(|&x| x == f64::from(fill))
+            })
+        };
+        let cache = KvCache::contiguous(b, hkv, cap, [d, d], &device);
+        // Compiles the kernels and fills the pools' small pages.
+        let (_, cache) = step(cache, 1.0);
+        let (grown, cache) = step(cache, 2.0);
+        assert!(appended(&cache, 2.0), "the returned cache holds the appended keys");
+        assert!(
+            grown < cache_bytes,
+            "a step on a cache moved in reserved {grown} bytes: a cache is {cache_bytes}"
+        );
+        // Shared: the op copies, and the other tensor keeps the old contents.
+        let kept = cache.clone();
+        let (grown, cache) = step(cache, 3.0);
+        assert!(appended(&cache, 3.0) && appended(&kept, 2.0), "the copy and the original");
+        assert!(
+            grown >= 2 * cache_bytes,
+            "a step on a shared cache reserved {grown} bytes, less than its copy ({} bytes)",
+            2 * cache_bytes
+        );
+        eprintln!("moved in: no cache reserved; shared: {grown} bytes (a cache {cache_bytes})");
+    }
+
     /// A decode call with `terms` on a cache of 4 positions (2 used), 2 query heads.
     fn decode_with(terms: impl FnOnce(&Device) -> AttentionBias) {
         let device = common::burn_device();
