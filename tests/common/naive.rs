@@ -19,6 +19,25 @@ pub struct Naive {
     pub dlogits: Vec<f64>,
     /// The gradient of the score function's parameters (empty without one).
     pub dparams: Vec<f64>,
+    /// `Σ |contribution|` of each parameter's gradient over the scores: a sum of that many
+    /// terms, each carrying the dtype's rounding, is off by up to the dtype's unit roundoff
+    /// times it ([`Naive::dparams_floor`]).
+    pub dparams_abs: Vec<f64>,
+}
+
+impl Naive {
+    /// An error parameter `k`'s gradient may carry on top of twice the naive error: a sum
+    /// of the scores' contributions compared as one number can land close to the reference
+    /// by chance, so that twice its error alone bounds nothing. The dtype's unit roundoff
+    /// times `Σ |contribution|`, the rounding-error bound of that sum.
+    pub fn dparams_floor(&self, dtype: FloatDtype, k: usize) -> f64 {
+        let unit = match dtype {
+            FloatDtype::F32 => f64::from(f32::EPSILON) / 2.0,
+            FloatDtype::F16 => 2f64.powi(-11),
+            FloatDtype::BF16 => 2f64.powi(-8),
+        };
+        unit * self.dparams_abs[k]
+    }
 }
 
 /// Forward and backward of `case` with `d_out` as the upstream gradient.
@@ -73,7 +92,10 @@ pub fn attention_with_score_fn(
         dv: vec![0.0; d.v_len()],
         dlogits: vec![0.0; d.lse_len() * seq_kv],
         dparams: vec![0.0; f.map_or(0, |f| f.params_len)],
+        dparams_abs: vec![0.0; f.map_or(0, |f| f.params_len)],
     };
+    // One score's contribution to the parameters' gradient.
+    let mut contribution = vec![0.0; f.map_or(0, |f| f.params_len)];
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
     for b in 0..batch {
         for h in 0..heads_q {
@@ -156,7 +178,12 @@ pub fn attention_with_score_fn(
                     let mut ds = dlogit * ds_dqk[i * seq_kv + j];
                     if let (Some(f), true) = (f, dlogit != 0.0) {
                         let at = [b, h, i, j];
-                        (f.params_grad)(dlogit, unmodded[i * seq_kv + j], at, &mut n.dparams);
+                        contribution.fill(0.0);
+                        (f.params_grad)(dlogit, unmodded[i * seq_kv + j], at, &mut contribution);
+                        for (k, c) in contribution.iter().enumerate() {
+                            n.dparams[k] += c;
+                            n.dparams_abs[k] += c.abs();
+                        }
                         ds *= df[i * seq_kv + j];
                     }
                     let kv_row = (b * heads_kv + hk) * seq_kv + j;
