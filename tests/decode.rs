@@ -1512,11 +1512,19 @@ mod op {
             client.memory_cleanup().expect("the pool cleans up");
             let reserved = |c: &cubecl::client::Client| {
                 cubecl::future::block_on(c.sync()).expect("device synced");
-                c.memory_report(cubecl::MemoryScope::Device).usage().bytes_reserved
+                c.memory_report(cubecl::MemoryScope::Device)
+                    .usage()
+                    .bytes_reserved
             };
             let before = reserved(&client);
-            let (out, _, cache) =
-                flash_attention_with_kvcache_and_lse(q, cache, seqlens, Some((k, v)), None, options);
+            let (out, _, cache) = flash_attention_with_kvcache_and_lse(
+                q,
+                cache,
+                seqlens,
+                Some((k, v)),
+                None,
+                options,
+            );
             let out = values(out);
             assert!(out.iter().all(|x| x.is_finite()), "the step's output");
             (reserved(&client).saturating_sub(before), cache)
@@ -1532,7 +1540,10 @@ mod op {
         // Compiles the kernels and fills the pools' small pages.
         let (_, cache) = step(cache, 1.0);
         let (grown, cache) = step(cache, 2.0);
-        assert!(appended(&cache, 2.0), "the returned cache holds the appended keys");
+        assert!(
+            appended(&cache, 2.0),
+            "the returned cache holds the appended keys"
+        );
         assert!(
             grown < cache_bytes,
             "a step on a cache moved in reserved {grown} bytes: a cache is {cache_bytes}"
@@ -1540,7 +1551,10 @@ mod op {
         // Shared: the op copies, and the other tensor keeps the old contents.
         let kept = cache.clone();
         let (grown, cache) = step(cache, 3.0);
-        assert!(appended(&cache, 3.0) && appended(&kept, 2.0), "the copy and the original");
+        assert!(
+            appended(&cache, 3.0) && appended(&kept, 2.0),
+            "the copy and the original"
+        );
         assert!(
             grown >= 2 * cache_bytes,
             "a step on a shared cache reserved {grown} bytes, less than its copy ({} bytes)",

@@ -3,8 +3,11 @@
 //! and `d_v ≠ d_qk` included), causal, windows, softcap, scale, dropout and the
 //! deterministic backward alone and combined, every dtype, input layout and kernel path of
 //! the device; O, LSE, dQ, dK and dV by FlashAttention's tolerance rule, rows that see no
-//! key exactly O = 0 and LSE = −∞ ([`check_case_seeded`]). A failure shrinks to the
-//! smallest case that still fails and is printed with the seed of its inputs.
+//! key exactly O = 0 and LSE = −∞ ([`check_case_seeded`]). The same problems again with
+//! score terms: a bias broadcast over any of its dimensions (`−∞` entries hiding scores,
+//! rows or columns; its gradient asked for or not) and ALiBi per head or per (batch, head),
+//! alone and together ([`bias::check_seeded`]). A failure shrinks to the smallest case that
+//! still fails and is printed with the seed of its inputs.
 //!
 //! - `FLASH_FUZZ_CASES=n`: cases to run; by default a few on a CPU driver (each new head
 //!   dim or option set compiles kernels, slowly there) and more on a GPU. Long runs set
@@ -17,11 +20,13 @@ use burn_flash_attention::kernels::loop_budget;
 use burn_flash_attention::kernels::{
     AttentionProblem, DeviceLimits, Dropout, FloatDtype, KernelPath,
 };
+use cubecl::client::Client;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngSeed, TestError, TestRunner};
+use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
+use crate::bias::{self, Alibi, TermsCase, nothing_hidden};
 use crate::common::{self, Case, case, dims};
 use crate::kernels::{Layout, check_case_seeded};
 
@@ -180,16 +185,22 @@ fn affordable(d: &Drawn, bounds: Bounds) -> bool {
     x.batch * x.heads_q * x.seq_q * x.seq_kv * (x.dim_qk + x.dim_v) <= bounds.work
 }
 
-#[test]
-fn random_problems_match_the_oracle() {
-    let client = common::client();
-    let limits = DeviceLimits::from_properties(client.properties());
-    let bounds = match common::is_cpu_device() {
-        true => CPU,
-        false => GPU,
-    };
+/// Runs `check` on the cases `strategy` draws: `FLASH_FUZZ_CASES` of them (`default` on a
+/// CPU driver, four times as many on a GPU), from the run's seed `FLASH_FUZZ_SEED`; a
+/// failure shrinks and panics with the smallest case.
+fn fuzz<S: Strategy>(
+    strategy: S,
+    default: u32,
+    check: impl Fn(S::Value) -> Result<(), TestCaseError>,
+) where
+    S::Value: std::fmt::Debug,
+{
     let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
-    let default = if common::is_cpu_device() { 16 } else { 64 };
+    let default = if common::is_cpu_device() {
+        default
+    } else {
+        4 * default
+    };
     let cases = env("FLASH_FUZZ_CASES").map_or(default, |n| n as u32);
     let seed = env("FLASH_FUZZ_SEED").unwrap_or_else(rand::random);
     eprintln!("fuzzing {cases} cases, FLASH_FUZZ_SEED={seed}");
@@ -202,25 +213,7 @@ fn random_problems_match_the_oracle() {
         max_global_rejects: cases * 4,
         ..Config::default()
     });
-    let dtypes = common::dtypes(&client);
-    let result = runner.run(&drawn(bounds), |d| {
-        prop_assume!(affordable(&d, bounds));
-        let dtype = dtypes[d.dtype % dtypes.len()];
-        let paths = common::paths(&client, dtype);
-        let path = paths[d.path % paths.len()];
-        let problem = problem(&d.case, dtype);
-        // The portable kernels refuse what the driver's loop budget cannot run.
-        if path == KernelPath::Portable {
-            prop_assume!(loop_budget::check_problem(&problem, &limits).is_ok());
-        }
-        let rng = StdRng::seed_from_u64(d.seed);
-        // A path that refuses the problem on this device (a scale or size it does not
-        // take) draws another case; `Auto` takes such problems elsewhere.
-        let ran = check_case_seeded(&client, &d.case, dtype, d.layout, path, (d.seed, rng));
-        prop_assume!(ran.is_ok());
-        Ok(())
-    });
-    match result {
+    match runner.run(&strategy, check) {
         Ok(()) => eprintln!("{cases} cases passed (FLASH_FUZZ_SEED={seed})"),
         Err(TestError::Fail(reason, minimal)) => panic!(
             "the smallest failing case: {minimal:#?}\n{reason}\n(FLASH_FUZZ_SEED={seed} draws \
@@ -230,6 +223,132 @@ fn random_problems_match_the_oracle() {
             panic!("fuzzing stopped: {reason} (FLASH_FUZZ_SEED={seed})")
         }
     }
+}
+
+/// The bounds of the device's cases.
+fn bounds() -> Bounds {
+    match common::is_cpu_device() {
+        true => CPU,
+        false => GPU,
+    }
+}
+
+/// The dtype and path `d` names among the device's, unless the portable kernels would
+/// refuse the problem on the driver's loop budget (then `None`: the case is drawn again).
+fn dtype_and_path(
+    client: &Client,
+    limits: &DeviceLimits,
+    d: &Drawn,
+) -> Option<(FloatDtype, KernelPath)> {
+    let dtypes = common::dtypes(client);
+    let dtype = dtypes[d.dtype % dtypes.len()];
+    let paths = common::paths(client, dtype);
+    let path = paths[d.path % paths.len()];
+    let fits = path != KernelPath::Portable
+        || loop_budget::check_problem(&problem(&d.case, dtype), limits).is_ok();
+    fits.then_some((dtype, path))
+}
+
+#[test]
+fn random_problems_match_the_oracle() {
+    let client = common::client();
+    let limits = DeviceLimits::from_properties(client.properties());
+    let bounds = bounds();
+    fuzz(drawn(bounds), 16, |d| {
+        prop_assume!(affordable(&d, bounds));
+        let Some((dtype, path)) = dtype_and_path(&client, &limits, &d) else {
+            return Err(TestCaseError::reject("past the loop budget"));
+        };
+        let rng = StdRng::seed_from_u64(d.seed);
+        // A path that refuses the problem on this device (a scale or size it does not
+        // take) draws another case; `Auto` takes such problems elsewhere.
+        let ran = check_case_seeded(&client, &d.case, dtype, d.layout, path, (d.seed, rng));
+        prop_assume!(ran.is_ok());
+        Ok(())
+    });
+}
+
+/// `−∞` entries of a drawn bias, in its own coordinates `(b, h, i, j)` (0 along the
+/// dimensions it broadcasts over): none, scattered scores, whole rows of batch 0 (rows that
+/// see no key at all), keys hidden per head.
+const HIDDEN: [fn(usize, usize, usize, usize) -> bool; 4] = [
+    nothing_hidden,
+    |_, _, i, j| (i + 2 * j) % 7 == 3,
+    |b, _, i, _| b == 0 && i % 3 == 1,
+    |_, h, _, j| j % 4 == h % 4,
+];
+
+/// A drawn problem with score terms: which of the bias's dimensions are full (the others
+/// broadcast), which `−∞` pattern it carries ([`HIDDEN`]), whether its gradient is asked
+/// for, and ALiBi.
+#[derive(Clone, Debug)]
+struct DrawnTerms {
+    drawn: Drawn,
+    bias: Option<[bool; 4]>,
+    hidden: usize,
+    grad: bool,
+    alibi: Alibi,
+}
+
+impl DrawnTerms {
+    fn terms_case(&self) -> TermsCase {
+        let d = self.drawn.case.dims;
+        let full = [d.batch, d.heads_q, d.seq_q, d.seq_kv];
+        let bias = self
+            .bias
+            .map(|keep| std::array::from_fn(|n| if keep[n] { full[n] } else { 1 }));
+        TermsCase {
+            case: self.drawn.case,
+            bias,
+            hidden: HIDDEN[self.hidden],
+            alibi: self.alibi,
+            grad: self.grad && bias.is_some(),
+            blocks: None,
+        }
+    }
+}
+
+fn drawn_terms(bounds: Bounds) -> impl Strategy<Value = DrawnTerms> {
+    let alibi = prop_oneof![
+        Just(Alibi::None),
+        Just(Alibi::PerHead),
+        Just(Alibi::PerBatchHead)
+    ];
+    (
+        drawn(bounds),
+        proptest::option::weighted(0.8, any::<[bool; 4]>()),
+        0..HIDDEN.len(),
+        any::<bool>(),
+        alibi,
+    )
+        .prop_map(|(drawn, bias, hidden, grad, alibi)| DrawnTerms {
+            drawn,
+            bias,
+            hidden,
+            grad,
+            // Some term on every case.
+            alibi: match (bias, alibi) {
+                (None, Alibi::None) => Alibi::PerHead,
+                (_, alibi) => alibi,
+            },
+        })
+}
+
+#[test]
+fn random_problems_with_score_terms_match_the_oracle() {
+    let client = common::client();
+    let limits = DeviceLimits::from_properties(client.properties());
+    let bounds = bounds();
+    fuzz(drawn_terms(bounds), 8, |t| {
+        prop_assume!(affordable(&t.drawn, bounds));
+        let Some((dtype, path)) = dtype_and_path(&client, &limits, &t.drawn) else {
+            return Err(TestCaseError::reject("past the loop budget"));
+        };
+        let rng = StdRng::seed_from_u64(t.drawn.seed);
+        let ran = bias::check_seeded(&client, &t.terms_case(), dtype, path, (t.drawn.seed, rng));
+        prop_assume!(ran.is_ok());
+        Ok(())
+    });
 }
 
 /// The kernels' view of `case` in `dtype`.

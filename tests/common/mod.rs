@@ -432,6 +432,16 @@ impl Case {
     }
 }
 
+/// Half the distance from 1 to the next value of `dtype`: the relative error of one
+/// rounding.
+pub fn unit_roundoff(dtype: FloatDtype) -> f64 {
+    match dtype {
+        FloatDtype::F32 => f64::from(f32::EPSILON) / 2.0,
+        FloatDtype::F16 => 2f64.powi(-11),
+        FloatDtype::BF16 => 2f64.powi(-8),
+    }
+}
+
 /// Largest absolute difference; NaN counts as infinitely wrong, equal infinities as exact.
 pub fn max_abs_diff(got: &[f64], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len(), "lengths differ");

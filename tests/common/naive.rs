@@ -31,12 +31,7 @@ impl Naive {
     /// by chance, so that twice its error alone bounds nothing. The dtype's unit roundoff
     /// times `Σ |contribution|`, the rounding-error bound of that sum.
     pub fn dparams_floor(&self, dtype: FloatDtype, k: usize) -> f64 {
-        let unit = match dtype {
-            FloatDtype::F32 => f64::from(f32::EPSILON) / 2.0,
-            FloatDtype::F16 => 2f64.powi(-11),
-            FloatDtype::BF16 => 2f64.powi(-8),
-        };
-        unit * self.dparams_abs[k]
+        super::unit_roundoff(dtype) * self.dparams_abs[k]
     }
 }
 
