@@ -18,33 +18,33 @@ use crate::common::{self, Case, assert_close, download, naive, upload};
 
 /// A decode problem: `s_q` new queries per sequence against a cache of `capacity` positions.
 #[derive(Clone, Copy, Debug)]
-struct Serving {
-    batch: usize,
-    heads_q: usize,
-    heads_kv: usize,
-    s_q: usize,
-    capacity: usize,
-    dim_qk: usize,
-    dim_v: usize,
+pub(crate) struct Serving {
+    pub batch: usize,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub s_q: usize,
+    pub capacity: usize,
+    pub dim_qk: usize,
+    pub dim_v: usize,
     /// `Some(page_size)`: a paged cache.
-    page_size: Option<usize>,
+    pub page_size: Option<usize>,
     /// Append `s_q` new keys and values before attending.
-    append: bool,
-    causal: bool,
-    window: (Option<usize>, Option<usize>),
-    softcap: Option<f64>,
+    pub append: bool,
+    pub causal: bool,
+    pub window: (Option<usize>, Option<usize>),
+    pub softcap: Option<f64>,
     /// ALiBi with the slopes [`alibi_slope`] gives, per sequence and query head.
-    alibi: bool,
+    pub alibi: bool,
     /// A bias over the cache's positions ([`bias_value`]).
-    bias: Option<BiasKind>,
+    pub bias: Option<BiasKind>,
     /// The score function [`SequenceBias`].
-    score_fn: bool,
+    pub score_fn: bool,
 }
 
 /// The bias of a test: `[batch, 1, s_q, capacity]` of values with some −∞, or a key
 /// padding mask `[batch, capacity]` (`true` where hidden; a bias of 0 and −∞).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BiasKind {
+pub(crate) enum BiasKind {
     Scores,
     Padding,
 }
@@ -62,7 +62,8 @@ fn bias_value(kind: BiasKind, b: usize, i: usize, j: usize, dtype: FloatDtype) -
     }
 }
 
-/// [`bias_value`] of every sequence, query and position, `[batch, 1, s_q | 1, capacity]`.
+/// [`bias_value`] of every sequence, query and position, `[batch, 1, s_q | 1, positions]`
+/// ([`Serving::positions`]).
 fn bias_values(s: &Serving, kind: BiasKind, dtype: FloatDtype) -> Broadcast4<f64> {
     let queries = match kind {
         BiasKind::Scores => s.s_q,
@@ -71,12 +72,12 @@ fn bias_values(s: &Serving, kind: BiasKind, dtype: FloatDtype) -> Broadcast4<f64
     let mut data = Vec::new();
     for b in 0..s.batch {
         for i in 0..queries {
-            data.extend((0..s.capacity).map(|j| bias_value(kind, b, i, j, dtype)));
+            data.extend((0..s.positions()).map(|j| bias_value(kind, b, i, j, dtype)));
         }
     }
     Broadcast4 {
         data,
-        shape: [s.batch, 1, queries, s.capacity],
+        shape: [s.batch, 1, queries, s.positions()],
     }
 }
 
@@ -149,7 +150,7 @@ fn alibi_slope(b: usize, h: usize) -> f64 {
 }
 
 impl Serving {
-    fn s_new(&self) -> usize {
+    pub(crate) fn s_new(&self) -> usize {
         if self.append { self.s_q } else { 0 }
     }
 
@@ -171,6 +172,13 @@ impl Serving {
 
     fn max_pages(&self) -> usize {
         self.page_size.map_or(0, |p| self.capacity.div_ceil(p))
+    }
+
+    /// The key positions a bias over the cache spans: its capacity, or all the positions
+    /// of a sequence's pages (`max_pages · page_size`).
+    fn positions(&self) -> usize {
+        self.page_size
+            .map_or(self.capacity, |p| self.max_pages() * p)
     }
 }
 
@@ -558,7 +566,21 @@ fn positions(s: &Serving, cache: &[f64], seq: usize, len: usize, dim: usize) -> 
 /// Checks one decode call against the oracle, sequence by sequence, and the cache against
 /// the expected append.
 fn check(client: &Client, s: &Serving, dtype: FloatDtype, lengths: Vec<usize>, splits: Splits) {
-    let (seed, mut rng) = common::rng();
+    if let Err(e) = check_seeded(client, s, dtype, lengths, splits, common::rng()) {
+        panic!("decode refused {s:?} in {dtype:?}: {e}");
+    }
+}
+
+/// [`check`] on the inputs `seed` draws from `rng`; `Err` where the device refuses the
+/// problem (`FlashError::Unavailable`), before anything is written.
+pub(crate) fn check_seeded(
+    client: &Client,
+    s: &Serving,
+    dtype: FloatDtype,
+    lengths: Vec<usize>,
+    splits: Splits,
+    (seed, mut rng): (u64, StdRng),
+) -> Result<(), FlashError> {
     let d = data(s, dtype, lengths, &mut rng);
     let context = format!(
         "{s:?} {dtype:?} {splits:?} lengths {:?}, seed {seed}",
@@ -570,7 +592,10 @@ fn check(client: &Client, s: &Serving, dtype: FloatDtype, lengths: Vec<usize>, s
         _ => Lengths::ReadBack,
     };
     let (result, contents) = run(client, s, &d, dtype, splits, lengths);
-    let result = result.unwrap_or_else(|e| panic!("decode: {e} — {context}"));
+    let result = match result {
+        Err(e @ FlashError::Unavailable(_)) => return Err(e),
+        other => other.unwrap_or_else(|e| panic!("decode: {e} — {context}")),
+    };
     let after = appended(s, &d);
     assert!(
         same(&contents.k, &after.k) && same(&contents.v, &after.v),
@@ -594,6 +619,7 @@ fn check(client: &Client, s: &Serving, dtype: FloatDtype, lengths: Vec<usize>, s
         "decode {s:?} {dtype:?} {splits:?} (ran {} splits): ok",
         result.splits
     );
+    Ok(())
 }
 
 /// Lengths that include an empty sequence, a single position and a full cache.

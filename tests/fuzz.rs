@@ -6,8 +6,12 @@
 //! key exactly O = 0 and LSE = −∞ ([`check_case_seeded`]). The same problems again with
 //! score terms: a bias broadcast over any of its dimensions (`−∞` entries hiding scores,
 //! rows or columns; its gradient asked for or not) and ALiBi per head or per (batch, head),
-//! alone and together ([`bias::check_seeded`]). A failure shrinks to the smallest case that
-//! still fails and is printed with the seed of its inputs.
+//! alone and together ([`bias::check_seeded`]). And decode steps of the serving kernels
+//! ([`decode::check_seeded`]): batch, GQA ratio, 1 to 7 new queries appended or not, cache
+//! capacities, sequence lengths from empty to full, contiguous or paged caches of any page
+//! size, split counts, causal, windows, softcap, ALiBi, a bias or key padding mask over the
+//! cache and a score function. A failure shrinks to the smallest case that still fails and
+//! is printed with the seed of its inputs.
 //!
 //! - `FLASH_FUZZ_CASES=n`: cases to run; by default a few on a CPU driver (each new head
 //!   dim or option set compiles kernels, slowly there) and more on a GPU. Long runs set
@@ -23,11 +27,14 @@ use burn_flash_attention::kernels::{
 use cubecl::client::Client;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
-use rand::SeedableRng;
 use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng};
+
+use burn_flash_attention::kernels::decode::Splits;
 
 use crate::bias::{self, Alibi, TermsCase, nothing_hidden};
 use crate::common::{self, Case, case, dims};
+use crate::decode::{self, BiasKind, Serving};
 use crate::kernels::{Layout, check_case_seeded};
 
 /// One drawn case: the problem and options, which of the device's dtypes and kernel paths
@@ -362,4 +369,149 @@ fn problem(case: &Case, dtype: FloatDtype) -> AttentionProblem {
         case.options(),
     )
     .expect("a drawn problem is well formed")
+}
+
+/// A drawn decode step: the problem, which of the device's dtypes runs it, the split count
+/// (`None`: the device's choice) and the seed of its inputs and lengths.
+#[derive(Clone, Debug)]
+struct DrawnDecode {
+    serving: Serving,
+    dtype: usize,
+    splits: Option<usize>,
+    seed: u64,
+}
+
+/// How large drawn decode steps grow (the oracle runs them in f64 on the host).
+#[derive(Clone, Copy, Debug)]
+struct DecodeBounds {
+    batch: usize,
+    heads_kv: usize,
+    group: usize,
+    capacity: usize,
+    dims: &'static [usize],
+    /// Most `b · h_q · s_q · capacity · (d_qk + d_v)` a step may cost the oracle.
+    work: usize,
+}
+
+const DECODE_CPU: DecodeBounds = DecodeBounds {
+    batch: 3,
+    heads_kv: 2,
+    group: 4,
+    capacity: 80,
+    dims: &[8, 24, 40, 64],
+    work: 2_000_000,
+};
+
+const DECODE_GPU: DecodeBounds = DecodeBounds {
+    batch: 8,
+    heads_kv: 4,
+    group: 8,
+    capacity: 4096,
+    dims: &[32, 40, 64, 72, 96, 128, 256],
+    work: 200_000_000,
+};
+
+fn drawn_decode(bounds: DecodeBounds) -> impl Strategy<Value = DrawnDecode> {
+    let dims = proptest::sample::select(bounds.dims);
+    let shape = (
+        1..=bounds.batch,
+        1..=bounds.heads_kv,
+        1..=bounds.group,
+        1..=7usize,
+        1..=bounds.capacity,
+        dims.clone(),
+        prop_oneof![3 => Just(None), 1 => dims.prop_map(Some)],
+    );
+    let cache = (
+        prop_oneof![
+            2 => Just(None),
+            1 => proptest::sample::select(&[1usize, 3, 8, 16, 64, 256][..]).prop_map(Some),
+        ],
+        proptest::bool::weighted(0.8),
+    );
+    let options = (
+        mask(),
+        proptest::option::weighted(0.3, 1.0f64..30.0),
+        any::<bool>(),
+        proptest::option::weighted(
+            0.4,
+            prop_oneof![Just(BiasKind::Scores), Just(BiasKind::Padding)],
+        ),
+        proptest::bool::weighted(0.3),
+    );
+    let splits = proptest::option::weighted(0.5, 1..=7usize);
+    (shape, cache, options, 0..3usize, splits, any::<u64>()).prop_map(
+        move |(
+            (batch, heads_kv, group, s_q, capacity, dim_qk, dim_v),
+            (page_size, append),
+            ((causal, window), softcap, alibi, bias, score_fn),
+            dtype,
+            splits,
+            seed,
+        )| {
+            // Room for the appended keys.
+            let capacity = capacity.max(if append { s_q } else { 1 });
+            let dim_v = dim_v.unwrap_or(dim_qk);
+            // Fewer sequences where the oracle's work would pass the bound.
+            let work = |b: usize| b * heads_kv * group * s_q * capacity * (dim_qk + dim_v);
+            let mut batch = batch;
+            while batch > 1 && work(batch) > bounds.work {
+                batch -= 1;
+            }
+            DrawnDecode {
+                serving: Serving {
+                    batch,
+                    heads_q: heads_kv * group,
+                    heads_kv,
+                    s_q,
+                    capacity,
+                    dim_qk,
+                    dim_v,
+                    page_size,
+                    append,
+                    causal,
+                    window,
+                    softcap,
+                    alibi,
+                    bias,
+                    score_fn,
+                },
+                dtype,
+                splits,
+                seed,
+            }
+        },
+    )
+}
+
+#[test]
+fn random_decode_steps_match_the_oracle() {
+    let client = common::client();
+    let bounds = match common::is_cpu_device() {
+        true => DECODE_CPU,
+        false => DECODE_GPU,
+    };
+    fuzz(drawn_decode(bounds), 8, |t| {
+        let s = t.serving;
+        prop_assume!(
+            s.batch * s.heads_q * s.s_q * s.capacity * (s.dim_qk + s.dim_v) <= bounds.work
+        );
+        let dtypes = common::dtypes(&client);
+        let dtype = dtypes[t.dtype % dtypes.len()];
+        let splits = t.splits.map_or(Splits::Auto, Splits::Exactly);
+        // Each sequence empty, holding one position, full, or in between.
+        let mut rng = StdRng::seed_from_u64(t.seed);
+        let most = s.capacity - s.s_new();
+        let lengths = (0..s.batch)
+            .map(|_| match rng.random_range(0..4) {
+                0 => 0,
+                1 => most.min(1),
+                2 => most,
+                _ => rng.random_range(0..=most),
+            })
+            .collect();
+        let ran = decode::check_seeded(&client, &s, dtype, lengths, splits, (t.seed, rng));
+        prop_assume!(ran.is_ok());
+        Ok(())
+    });
 }
