@@ -40,6 +40,7 @@ pub mod sequence;
 pub mod softmax;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod sources;
+pub mod stages;
 pub mod tile;
 pub mod wgmma;
 

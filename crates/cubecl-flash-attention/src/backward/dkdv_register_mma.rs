@@ -28,7 +28,6 @@
 //! For large head dims a launch accumulates dK or dV alone ([`KeyGradients`]), the
 //! launcher running both. The softmax scale multiplies `dK` once, in the epilogue.
 
-use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms, add_to_columns, base2_scores, read_columns};
@@ -44,6 +43,7 @@ use crate::problem::FloatDtype;
 use crate::score_mod::{ColumnLine, ScoreCall, modify_columns_with_slopes};
 use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, exp2_approx};
+use crate::stages::StageBarriers;
 use crate::tile::{RowLayout, SharedLayout, stage_rows_async, stage_vectors_async};
 use crate::wgmma::{
     ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
@@ -158,8 +158,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let mut do_tile = Shared::<[F]>::new_aligned_slice(2 * do_stage, align);
     let mut stats_tile = Shared::<[f32]>::new_aligned_slice(2 * stats_stage, 16usize);
     let ds_tile = Shared::<[F]>::new_aligned_slice(ds_len, 16usize);
-    let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let landed = StageBarriers::new(2usize);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
     // The block mask's blocks for the group's first head: the launcher sends here only block
@@ -263,7 +262,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
             block_q,
             units,
         );
-        landed_0.commit_copy_async();
+        landed.commit(0usize, 2usize);
     }
 
     // A streamed block's bias at the lane's scores, read before the block's products (the
@@ -308,11 +307,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
 
         // Q and dO of this block (and K, V with the first) have landed; every unit is done
         // with the previous block, so the other stage may be refilled.
-        if stage == 0 {
-            landed_0.arrive_and_wait();
-        } else {
-            landed_1.arrive_and_wait();
-        }
+        landed.wait(stage, 2usize);
         if comptime!(warpgroup) {
             fence_shared_for_products();
             sync_cube();
@@ -360,11 +355,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 block_q,
                 units,
             );
-            if next == 0 {
-                landed_0.commit_copy_async();
-            } else {
-                landed_1.commit_copy_async();
-            }
+            landed.commit(next, 2usize);
         }
 
         // The block's LSE and D, staged with it (queries past the end repeat the last one:

@@ -16,7 +16,6 @@
 //! The grid is ordered as the forward's (head-major, heaviest causal query blocks first).
 //! The softmax scale multiplies `dQ` once, in the epilogue. No atomics: deterministic.
 
-use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use crate::bias::{
@@ -37,6 +36,7 @@ use crate::score_mod::{
 };
 use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, exp2_approx};
+use crate::stages::StageBarriers;
 use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
 use crate::wgmma::{
     accumulate_from_registers, fence_shared_for_products, score_products, warpgroup_rows,
@@ -125,8 +125,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
     let mut do_tile = Shared::<[F]>::new_aligned_slice(comptime!(v_layout.len(block_q)), align);
     let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, align);
     let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, align);
-    let landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let landed = StageBarriers::new(2usize);
 
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
@@ -254,7 +253,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
             v_layout,
             units,
         );
-        landed_0.commit_copy_async();
+        landed.commit(0usize, 2usize);
     }
 
     for block in 0..blocks.count {
@@ -283,11 +282,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
 
         // K and V of this block (and Q, dO with the first) have landed; every unit is done
         // with the previous block, so the other stage may be refilled.
-        if stage == 0 {
-            landed_0.arrive_and_wait();
-        } else {
-            landed_1.arrive_and_wait();
-        }
+        landed.wait(stage, 2usize);
         if comptime!(warpgroup) {
             fence_shared_for_products();
             sync_cube();
@@ -321,11 +316,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
                 v_layout,
                 units,
             );
-            if next == 0 {
-                landed_0.commit_copy_async();
-            } else {
-                landed_1.commit_copy_async();
-            }
+            landed.commit(next, 2usize);
         }
 
         // 1. S = Q·Kᵀ and dP = dO·Vᵀ for the plane's 16 queries.

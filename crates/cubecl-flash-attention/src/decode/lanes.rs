@@ -25,12 +25,13 @@ use cubecl::prelude::*;
 use cubecl::std::FastDivmod;
 
 use super::cache::cache_slot;
-use super::stages::{StageBarriers, step_count};
+use super::stages::step_count;
 use super::task::{DecodeTask, write_merged};
 use crate::bias::ScoreTerms;
 use crate::rotary::RotaryConfig;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability, row_reduce_sum};
+use crate::stages::StageBarriers;
 use crate::tile::RowLayout;
 
 /// The compile-time configuration of one variant of [`flash_decode_lanes`].
@@ -411,7 +412,7 @@ fn stream_through_shared<F: Float, N: Size>(
     let stages = config.stages;
     let mut k_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(stages * stage_len));
     let mut v_tile = Shared::<[Vector<F, N>]>::new_slice(comptime!(stages * stage_len));
-    let landed = StageBarriers::new();
+    let landed = StageBarriers::new(3usize);
     let mut keys = Array::<Vector<F, N>>::new(unroll);
     let mut values = Array::<Vector<F, N>>::new(unroll);
     #[unroll]

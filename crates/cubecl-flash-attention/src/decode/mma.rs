@@ -20,7 +20,7 @@ use cubecl::prelude::*;
 use cubecl::std::FastDivmod;
 
 use super::cache::{CacheSlot, cache_slot};
-use super::stages::{StageBarriers, step_count};
+use super::stages::step_count;
 use super::task::{DecodeTask, write_merged};
 use crate::bias::ScoreTerms;
 use crate::config::FRAGMENT;
@@ -30,6 +30,7 @@ use crate::mma_sync::{
 use crate::rotary::RotaryConfig;
 use crate::score::score;
 use crate::softmax::{MASKED, RunningState, probability, row_reduce_max, row_reduce_sum};
+use crate::stages::StageBarriers;
 use crate::tile::RowLayout;
 
 /// Lanes sharing one row of an accumulator tile.
@@ -203,7 +204,7 @@ pub fn flash_decode_mma<F: Float>(
 
     let mut k_tile = Shared::<[F]>::new_aligned_slice(comptime!(stages * stage_len), 16usize);
     let mut v_tile = Shared::<[F]>::new_aligned_slice(comptime!(stages * stage_len), 16usize);
-    let landed = StageBarriers::new();
+    let landed = StageBarriers::new(3usize);
     let steps = step_count(&task, step);
     // A paged cache's blocks of the next step to copy, looked up a step ahead.
     let mut blocks = Array::<u32>::new(comptime!(config.block_lookups()));

@@ -23,7 +23,6 @@
 //! Mask arithmetic runs only in the key blocks that straddle the mask's edge or the
 //! sequence ends; blocks no query of the cube sees are never visited.
 
-use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use crate::bias::{BiasLine, ScoreTerms, add_to_columns, read_columns};
@@ -39,6 +38,7 @@ use crate::problem::FloatDtype;
 use crate::score_mod::{ColumnLine, ScoreCall, modify_columns};
 use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum};
+use crate::stages::StageBarriers;
 use crate::tile::{Head, RowLayout, SharedLayout, last_first, stage_rows_async};
 use crate::wgmma::{
     accumulate_from_registers, fence_shared_for_products, scores_against_rows, warpgroup_rows,
@@ -135,10 +135,8 @@ pub fn flash_forward_mma<F: Float>(
     let mut q_tile = Shared::<[F]>::new_aligned_slice(comptime!(qk_layout.len(block_q)), align);
     let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, align);
     let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, align);
-    let k_landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let k_landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let v_landed_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let v_landed_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let k_landed = StageBarriers::new(2usize);
+    let v_landed = StageBarriers::new(2usize);
 
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
@@ -239,8 +237,7 @@ pub fn flash_forward_mma<F: Float>(
             k0,
             &mut k_tile,
             0,
-            &k_landed_0,
-            &k_landed_1,
+            &k_landed,
             block_kv,
             config.dim_qk,
             dqk,
@@ -255,8 +252,7 @@ pub fn flash_forward_mma<F: Float>(
             k0,
             &mut v_tile,
             0,
-            &v_landed_0,
-            &v_landed_1,
+            &v_landed,
             block_kv,
             config.dim_v,
             dv,
@@ -305,9 +301,9 @@ pub fn flash_forward_mma<F: Float>(
 
         // K of this block (and Q, with the first; and V, when awaited together) has landed;
         // every unit is done with the previous block, so the other stage may be refilled.
-        await_stage(stage, &k_landed_0, &k_landed_1);
+        k_landed.wait(stage, 2usize);
         if comptime!(config.kv_together) {
-            await_stage(stage, &v_landed_0, &v_landed_1);
+            v_landed.wait(stage, 2usize);
         }
         if comptime!(warpgroup) {
             fence_shared_for_products();
@@ -340,8 +336,7 @@ pub fn flash_forward_mma<F: Float>(
                 next_k0,
                 &mut k_tile,
                 next,
-                &k_landed_0,
-                &k_landed_1,
+                &k_landed,
                 block_kv,
                 config.dim_qk,
                 dqk,
@@ -357,8 +352,7 @@ pub fn flash_forward_mma<F: Float>(
                     next_k0,
                     &mut v_tile,
                     next,
-                    &v_landed_0,
-                    &v_landed_1,
+                    &v_landed,
                     block_kv,
                     config.dim_v,
                     dv,
@@ -576,7 +570,7 @@ pub fn flash_forward_mma<F: Float>(
 
         // 3. O += P·V, once V of this block has landed.
         if comptime!(!config.kv_together) {
-            await_stage(stage, &v_landed_0, &v_landed_1);
+            v_landed.wait(stage, 2usize);
             if comptime!(warpgroup) {
                 fence_shared_for_products();
                 sync_cube();
@@ -590,8 +584,7 @@ pub fn flash_forward_mma<F: Float>(
                     next_k0,
                     &mut v_tile,
                     next,
-                    &v_landed_0,
-                    &v_landed_1,
+                    &v_landed,
                     block_kv,
                     config.dim_v,
                     dv,
@@ -691,8 +684,7 @@ fn stage_block<F: Float>(
     first: usize,
     tile: &mut Shared<[F]>,
     stage: usize,
-    landed_0: &Shared<Barrier>,
-    landed_1: &Shared<Barrier>,
+    landed: &StageBarriers,
     #[comptime] rows: usize,
     #[comptime] dim: usize,
     #[comptime] padded: usize,
@@ -714,21 +706,7 @@ fn stage_block<F: Float>(
         layout,
         units,
     );
-    if stage == 0 {
-        landed_0.commit_copy_async();
-    } else {
-        landed_1.commit_copy_async();
-    }
-}
-
-/// Waits for the copies into stage `stage` (see [`stage_block`]).
-#[cube]
-fn await_stage(stage: usize, landed_0: &Shared<Barrier>, landed_1: &Shared<Barrier>) {
-    if stage == 0 {
-        landed_0.arrive_and_wait();
-    } else {
-        landed_1.arrive_and_wait();
-    }
+    landed.commit(stage, 2usize);
 }
 
 /// Headroom (base 2) a row's maximum may gain before the plane rescales its output.
