@@ -22,6 +22,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
 use crate::block_mask::{BlockTile, ViewShape};
+use crate::config::FRAGMENT;
 use crate::mask::Span;
 
 /// Two neighbouring elements of a fragment.
@@ -230,6 +231,35 @@ pub fn mma<F: Float>(
     definition::<F>().execute_inplace(&fa, &fb, &mut fc);
     acc[2 * tile] = fc[0];
     acc[2 * tile + 1] = fc[1];
+}
+
+/// `acc += A·Bᵀ` for the plane's 16 rows of `A` (tile `a` from element `a_at`) against
+/// `8 · tiles` rows of `B` (tile `b` from element `b_at`), both row-major with stride `ld`,
+/// over `steps` reductions of 16 columns; accumulator tiles `0..tiles`. The score-like
+/// products of the `mma.sync` kernels: `S = Q·Kᵀ`, `dP = dO·Vᵀ` and their transposes.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn rows_times_rows<F: Float>(
+    a: &Shared<[F]>,
+    a_at: usize,
+    b: &Shared<[F]>,
+    b_at: usize,
+    #[comptime] ld: usize,
+    #[comptime] steps: usize,
+    #[comptime] tiles: usize,
+    #[comptime] address: LoadAddress,
+    acc: &mut Array<Pair<f32>>,
+) {
+    #[unroll]
+    for kk in 0..steps {
+        let af = load_a(a, a_at + kk * FRAGMENT, ld, address);
+        #[unroll]
+        for n in 0..comptime!(tiles / 2) {
+            let bf = load_b_transposed(b, b_at + n * FRAGMENT * ld + kk * FRAGMENT, ld, address);
+            mma(&af, 0, &bf, 0, acc, 2 * n);
+            mma(&af, 0, &bf, 2, acc, 2 * n + 1);
+        }
+    }
 }
 
 /// The A fragment (in the input dtype) of accumulator tiles `tile` and `tile + 1`, side by side.

@@ -36,8 +36,8 @@ use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaC
 use crate::dropout::{DropoutArgs, apply_keep_bits};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    LoadAddress, Pair, accumulators_as_a, hide_columns, hide_unkept, load_a, load_b,
-    load_b_transposed, mma, store_pair, store_row, zeros,
+    LoadAddress, Pair, accumulators_as_a, hide_columns, hide_unkept, load_b, mma, rows_times_rows,
+    store_pair, store_row, zeros,
 };
 use crate::problem::FloatDtype;
 use crate::score_mod::{ColumnLine, ScoreCall, modify_columns_with_slopes};
@@ -402,40 +402,32 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                 &mut dp_acc,
             );
         }
-        #[unroll]
-        for kk in 0..comptime!(if warpgroup { 0 } else { dqk / FRAGMENT }) {
-            let kf = load_a(&k_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld, LOADS);
-            #[unroll]
-            for n in 0..comptime!(s_tiles / 2) {
-                let qf = load_b_transposed(
-                    &q_tile,
-                    q_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
-                    qk_ld,
-                    LOADS,
-                );
-                mma(&kf, 0, &qf, 0, &mut s_acc, 2 * n);
-                mma(&kf, 0, &qf, 2, &mut s_acc, 2 * n + 1);
-            }
-        }
-        #[unroll]
-        for kk in 0..comptime!(if with_dk && !warpgroup {
-            dvp / FRAGMENT
-        } else {
-            0
-        }) {
-            let vf = load_a(&v_tile, plane_row * v_ld + kk * FRAGMENT, v_ld, LOADS);
-            #[unroll]
-            for n in 0..comptime!(s_tiles / 2) {
-                let of = load_b_transposed(
-                    &do_tile,
-                    do_base + n * FRAGMENT * v_ld + kk * FRAGMENT,
-                    v_ld,
-                    LOADS,
-                );
-                mma(&vf, 0, &of, 0, &mut dp_acc, 2 * n);
-                mma(&vf, 0, &of, 2, &mut dp_acc, 2 * n + 1);
-            }
-        }
+        rows_times_rows(
+            &k_tile,
+            plane_row * qk_ld,
+            &q_tile,
+            q_base,
+            qk_ld,
+            comptime!(if warpgroup { 0 } else { dqk / FRAGMENT }),
+            s_tiles,
+            LOADS,
+            &mut s_acc,
+        );
+        rows_times_rows(
+            &v_tile,
+            plane_row * v_ld,
+            &do_tile,
+            do_base,
+            v_ld,
+            comptime!(if with_dk && !warpgroup {
+                dvp / FRAGMENT
+            } else {
+                0
+            }),
+            s_tiles,
+            LOADS,
+            &mut dp_acc,
+        );
 
         // Dropout: the keep-mask of the lane's two keys, on dPᵀ now and on Pᵀ (for dV) once
         // dSᵀ has been formed from it.

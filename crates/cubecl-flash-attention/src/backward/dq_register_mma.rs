@@ -27,8 +27,8 @@ use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::dropout::{DropoutArgs, apply_keep_bits};
 use crate::mask::Mask;
 use crate::mma_sync::{
-    LoadAddress, Pair, accumulators_as_a, hide_columns, hide_unkept, load_a, load_b,
-    load_b_transposed, mma, store_row, zeros,
+    LoadAddress, Pair, accumulators_as_a, hide_columns, hide_unkept, load_b, mma, rows_times_rows,
+    store_row, zeros,
 };
 use crate::problem::FloatDtype;
 use crate::score_mod::{
@@ -346,36 +346,28 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
                 &mut dp_acc,
             );
         }
-        #[unroll]
-        for kk in 0..comptime!(if warpgroup { 0 } else { dqk / FRAGMENT }) {
-            let qf = load_a(&q_tile, plane_row * qk_ld + kk * FRAGMENT, qk_ld, LOADS);
-            #[unroll]
-            for n in 0..comptime!(s_tiles / 2) {
-                let kf = load_b_transposed(
-                    &k_tile,
-                    k_base + n * FRAGMENT * qk_ld + kk * FRAGMENT,
-                    qk_ld,
-                    LOADS,
-                );
-                mma(&qf, 0, &kf, 0, &mut s_acc, 2 * n);
-                mma(&qf, 0, &kf, 2, &mut s_acc, 2 * n + 1);
-            }
-        }
-        #[unroll]
-        for kk in 0..comptime!(if warpgroup { 0 } else { dvp / FRAGMENT }) {
-            let of = load_a(&do_tile, plane_row * v_ld + kk * FRAGMENT, v_ld, LOADS);
-            #[unroll]
-            for n in 0..comptime!(s_tiles / 2) {
-                let vf = load_b_transposed(
-                    &v_tile,
-                    v_base + n * FRAGMENT * v_ld + kk * FRAGMENT,
-                    v_ld,
-                    LOADS,
-                );
-                mma(&of, 0, &vf, 0, &mut dp_acc, 2 * n);
-                mma(&of, 0, &vf, 2, &mut dp_acc, 2 * n + 1);
-            }
-        }
+        rows_times_rows(
+            &q_tile,
+            plane_row * qk_ld,
+            &k_tile,
+            k_base,
+            qk_ld,
+            comptime!(if warpgroup { 0 } else { dqk / FRAGMENT }),
+            s_tiles,
+            LOADS,
+            &mut s_acc,
+        );
+        rows_times_rows(
+            &do_tile,
+            plane_row * v_ld,
+            &v_tile,
+            v_base,
+            v_ld,
+            comptime!(if warpgroup { 0 } else { dvp / FRAGMENT }),
+            s_tiles,
+            LOADS,
+            &mut dp_acc,
+        );
 
         // Dropout: dP times the keep-mask's factor.
         if comptime!(terms.dropout) {
