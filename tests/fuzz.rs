@@ -240,8 +240,9 @@ fn bounds() -> Bounds {
     }
 }
 
-/// The dtype and path `d` names among the device's, unless the portable kernels would
-/// refuse the problem on the driver's loop budget (then `None`: the case is drawn again).
+/// The dtype and path `d` names among the device's, unless there is no such path or the
+/// portable kernels would refuse the problem on the driver's loop budget (then `None`: the
+/// case is drawn again).
 fn dtype_and_path(
     client: &Client,
     limits: &DeviceLimits,
@@ -249,8 +250,9 @@ fn dtype_and_path(
 ) -> Option<(FloatDtype, KernelPath)> {
     let dtypes = common::dtypes(client);
     let dtype = dtypes[d.dtype % dtypes.len()];
+    // `FLASH_PATH` may keep no path of this dtype (the tensor-core paths take no f32).
     let paths = common::paths(client, dtype);
-    let path = paths[d.path % paths.len()];
+    let path = *paths.get(d.path % paths.len().max(1))?;
     let fits = path != KernelPath::Portable
         || loop_budget::check_problem(&problem(&d.case, dtype), limits).is_ok();
     fits.then_some((dtype, path))

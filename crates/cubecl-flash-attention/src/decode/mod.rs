@@ -518,10 +518,9 @@ pub fn mma_decode_config(
     if !applies {
         return None;
     }
-    // 4 planes of 16 keys a step, 2 stages (H200 A/B runs). 8 planes (`8,16,2`) were
-    // 1.00–1.13× faster at all 18 points of an H100 call (docs/benchmarks.md); they become
-    // the default once an H200 confirms them.
-    let (mut planes, mut block, mut stages) = (4, 16, 2);
+    // 8 planes of 16 keys a step, 2 stages: against 4 planes, 1.00–1.14× at all 18 points
+    // (4k–32k keys, b = 1/8/32, GQA 32:8 and 8:1) of two H100 calls (docs/benchmarks.md).
+    let (mut planes, mut block, mut stages) = (8, 16, 2);
     if let Some([p, b, s]) = tuning().mma.as_deref() {
         (planes, block, stages) = (*p, *b, *s);
     }
