@@ -471,7 +471,7 @@ pub(crate) fn check_seeded(
 fn score_terms_match_the_oracle_on_every_path() {
     let client = common::client();
     let dtypes = common::dtypes(&client);
-    for t in cases() {
+    for t in common::selected(cases()) {
         for &dtype in &dtypes {
             // lavapipe computes half precision slowly: f32 there (the GPU runs them all).
             if common::is_cpu_device() && dtype != FloatDtype::F32 {

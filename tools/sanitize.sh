@@ -10,8 +10,9 @@
 # groups cover every kernel family: the catalogue's first problems on every path (forward,
 # D, dK/dV, dQ, the atomic dQ), score terms and block masks, dropout, packed batches and
 # serving (decode kernels, the append, the merge). The sanitizer slows kernels by 10–100×:
-# the groups keep to small problems. `FLASH_CASE` limits the catalogue to one problem
-# (default 2); `SANITIZE_GROUPS="decode varlen"` runs those groups only.
+# the groups keep to small problems. `FLASH_CASE` limits the kernel catalogue and the
+# score-terms problems to one each (default 2); `SANITIZE_GROUPS="decode varlen"` runs
+# those groups only.
 set -u
 bin=${1:?usage: tools/sanitize.sh TEST_BINARY OUT_DIR [TOOL...]}
 out=${2:?usage: tools/sanitize.sh TEST_BINARY OUT_DIR [TOOL...]}

@@ -357,12 +357,16 @@ pub fn catalogue() -> Vec<Case> {
 
 /// The catalogue, or only its entry `FLASH_CASE=<index>` when set (to debug one problem).
 pub fn selected_cases() -> Vec<Case> {
-    let all = catalogue();
+    selected(catalogue())
+}
+
+/// `all`, or only its entry `FLASH_CASE=<index>` when set (to debug one problem).
+pub fn selected<T>(all: Vec<T>) -> Vec<T> {
     match std::env::var("FLASH_CASE")
         .ok()
         .and_then(|i| i.parse::<usize>().ok())
     {
-        Some(i) => vec![all[i]],
+        Some(i) => all.into_iter().nth(i).into_iter().collect(),
         None => all,
     }
 }
