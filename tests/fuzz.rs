@@ -266,7 +266,7 @@ fn random_problems_match_the_oracle() {
     fuzz(drawn(bounds), 16, |d| {
         prop_assume!(affordable(&d, bounds));
         let Some((dtype, path)) = dtype_and_path(&client, &limits, &d) else {
-            return Err(TestCaseError::reject("past the loop budget"));
+            return Err(TestCaseError::reject("no path or past the loop budget"));
         };
         let rng = StdRng::seed_from_u64(d.seed);
         // A path that refuses the problem on this device (a scale or size it does not
@@ -351,7 +351,7 @@ fn random_problems_with_score_terms_match_the_oracle() {
     fuzz(drawn_terms(bounds), 8, |t| {
         prop_assume!(affordable(&t.drawn, bounds));
         let Some((dtype, path)) = dtype_and_path(&client, &limits, &t.drawn) else {
-            return Err(TestCaseError::reject("past the loop budget"));
+            return Err(TestCaseError::reject("no path or past the loop budget"));
         };
         let rng = StdRng::seed_from_u64(t.drawn.seed);
         let ran = bias::check_seeded(&client, &t.terms_case(), dtype, path, (t.drawn.seed, rng));
