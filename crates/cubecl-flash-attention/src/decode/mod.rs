@@ -518,14 +518,8 @@ pub fn mma_decode_config(
     if !applies {
         return None;
     }
-    // 8 planes of 16 keys a step, 2 stages: against 4 planes, 1.00–1.14× at all 18 points
-    // (4k–32k keys, b = 1/8/32, GQA 32:8 and 8:1) of two H100 calls (docs/benchmarks.md).
-    let (mut planes, mut block, mut stages) = (8, 16, 2);
-    if let Some([p, b, s]) = tuning().mma.as_deref() {
-        (planes, block, stages) = (*p, *b, *s);
-    }
     let packed = problem.group_size() * problem.seq_q;
-    let config = MmaDecodeConfig {
+    let config = |planes: usize, block: usize, stages: usize| MmaDecodeConfig {
         rows: packed.next_power_of_two().min(MmaDecodeConfig::TILE_ROWS),
         dim,
         planes: planes.max(1),
@@ -537,9 +531,22 @@ pub fn mma_decode_config(
         paged,
         split,
     };
-    let fits = config.units() <= limits.max_units_per_cube
-        && config.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory;
-    fits.then_some(config)
+    let fits = |config: &MmaDecodeConfig| {
+        config.units() <= limits.max_units_per_cube
+            && config.shared_bytes(problem.dtype.size()) <= limits.max_shared_memory
+    };
+    if let Some([p, b, s]) = tuning().mma.as_deref() {
+        return Some(config(*p, *b, *s)).filter(fits);
+    }
+    // Planes of 16 keys a step, 2 stages: 8 planes from d = 128 where they fit (against 4
+    // planes, 1.00–1.14× at all 18 points of 4k–32k keys × b = 1, 8, 32 × GQA 32:8 and 8:1
+    // in two H100 calls at d = 128, docs/benchmarks.md), else 4 (the shape measured before;
+    // smaller head dims and devices short of shared memory).
+    let wide = config(8, 16, 2);
+    match dim >= 128 && fits(&wide) {
+        true => Some(wide),
+        false => Some(config(4, 16, 2)).filter(fits),
+    }
 }
 
 /// The tiles of [`lanes::flash_decode_lanes`] for `problem` on this device, or `None` where
