@@ -434,21 +434,9 @@ pub(crate) fn check_seeded(
             // broadcast over some dimension) also allowed the rounding bound of its sum.
             let naive_db = summed(&low.dlogits, t);
             let abs_sums = summed(&low.dlogits.iter().map(|g| g.abs()).collect::<Vec<_>>(), t);
-            let naive_err = common::max_abs_diff(&naive_db, &want);
-            let magnitude = want
-                .iter()
-                .filter(|x| x.is_finite())
-                .fold(1.0f64, |m, x| m.max(x.abs()));
-            let unit = common::unit_roundoff(dtype);
-            for (n, (g, w)) in got.iter().zip(&want).enumerate() {
-                let bound = 2.0 * naive_err + 1e-4 * magnitude + unit * abs_sums[n];
-                assert!(
-                    (g - w).abs() <= bound,
-                    "dBias[{n}]: error {:.3e} > bound {bound:.3e} (naive-in-dtype error \
-                     {naive_err:.3e}) — {context}",
-                    (g - w).abs()
-                );
-            }
+            common::assert_close_sums(
+                "dBias", &got, &want, &naive_db, &abs_sums, dtype, 1e-4, &context,
+            );
         }
         (false, None) => {}
         (asked, got) => panic!(

@@ -480,19 +480,16 @@ fn check(client: &Client, t: &FnCase, dtype: FloatDtype, path: KernelPath) {
                 .expect("the oracle's gradient");
             // FlashAttention's rule, each parameter's gradient (one sum over the scores)
             // also allowed the rounding bound of its sum.
-            let naive_err = common::max_abs_diff(&low.dparams, want);
-            let magnitude = want.iter().fold(1.0f64, |m, x| m.max(x.abs()));
-            assert_eq!(got.len(), want.len(), "dParams: length — {context}");
-            for (k, (g, w)) in got.iter().zip(want).enumerate() {
-                let sum_bound = low.dparams_floor(dtype, k);
-                let bound = 2.0 * naive_err + 1e-4 * magnitude + sum_bound;
-                assert!(
-                    (g - w).abs() <= bound,
-                    "dParams[{k}]: error {:.3e} > bound {bound:.3e} (naive-in-dtype error \
-                     {naive_err:.3e}, the sum's rounding bound {sum_bound:.3e}) — {context}",
-                    (g - w).abs()
-                );
-            }
+            common::assert_close_sums(
+                "dParams",
+                &got,
+                want,
+                &low.dparams,
+                &low.dparams_abs,
+                dtype,
+                1e-4,
+                &context,
+            );
         }
         (false, None) => {}
         (asked, got) => panic!(

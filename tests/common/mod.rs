@@ -487,6 +487,40 @@ pub fn assert_close(
     );
 }
 
+/// [`assert_close`] for values that are each a sum of many scores' contributions (a score
+/// function's parameter gradients, a broadcast bias's gradient): compared one number at a
+/// time, twice the naive error can land near 0 by chance, so entry `n` is also allowed the
+/// rounding bound of its sum, the dtype's unit roundoff times `abs_sums[n]` (`Σ
+/// |contribution|`).
+#[allow(clippy::too_many_arguments)]
+pub fn assert_close_sums(
+    what: &str,
+    got: &[f64],
+    want: &[f64],
+    naive: &[f64],
+    abs_sums: &[f64],
+    dtype: FloatDtype,
+    floor: f64,
+    context: &str,
+) {
+    assert_eq!(got.len(), want.len(), "{what}: length — {context}");
+    let naive_err = max_abs_diff(naive, want);
+    let magnitude = want
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(1.0f64, |m, x| m.max(x.abs()));
+    for (n, (g, w)) in got.iter().zip(want).enumerate() {
+        let sum_bound = unit_roundoff(dtype) * abs_sums[n];
+        let bound = 2.0 * naive_err + floor * magnitude + sum_bound;
+        assert!(
+            (g - w).abs() <= bound,
+            "{what}[{n}]: error {:.3e} > bound {bound:.3e} (naive-in-dtype error \
+             {naive_err:.3e}, the sum's rounding bound {sum_bound:.3e}) — {context}",
+            (g - w).abs()
+        );
+    }
+}
+
 /// Rows the reference hides completely (`LSE = −∞`) came back exactly `O = 0`,
 /// `LSE = −∞` and `dQ = 0`, never NaN.
 pub fn assert_hidden_rows(

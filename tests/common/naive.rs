@@ -21,18 +21,8 @@ pub struct Naive {
     pub dparams: Vec<f64>,
     /// `Σ |contribution|` of each parameter's gradient over the scores: a sum of that many
     /// terms, each carrying the dtype's rounding, is off by up to the dtype's unit roundoff
-    /// times it ([`Naive::dparams_floor`]).
+    /// times it (see `assert_close_sums`).
     pub dparams_abs: Vec<f64>,
-}
-
-impl Naive {
-    /// An error parameter `k`'s gradient may carry on top of twice the naive error: a sum
-    /// of the scores' contributions compared as one number can land close to the reference
-    /// by chance, so that twice its error alone bounds nothing. The dtype's unit roundoff
-    /// times `Σ |contribution|`, the rounding-error bound of that sum.
-    pub fn dparams_floor(&self, dtype: FloatDtype, k: usize) -> f64 {
-        super::unit_roundoff(dtype) * self.dparams_abs[k]
-    }
 }
 
 /// Forward and backward of `case` with `d_out` as the upstream gradient.
