@@ -34,7 +34,10 @@ impl StageBarriers {
         }
     }
 
-    /// Tracks the copies this unit has issued into stage `stage` (of `stages`).
+    /// Tracks the copies this unit has issued into stage `stage` (of `stages`). With two
+    /// stages the comptime branch leaves `if stage == 0 { .. } else { .. }` in the kernel,
+    /// the same code as two barriers written out.
+    #[allow(clippy::if_same_then_else)]
     pub fn commit(&self, stage: usize, #[comptime] stages: usize) {
         if stage == 0 {
             self.stage_0.commit_copy_async();
@@ -47,7 +50,9 @@ impl StageBarriers {
         }
     }
 
-    /// Waits until stage `stage`'s copies have landed and every unit has arrived.
+    /// Waits until stage `stage`'s copies have landed and every unit has arrived (compiled
+    /// as [`StageBarriers::commit`] is).
+    #[allow(clippy::if_same_then_else)]
     pub fn wait(&self, stage: usize, #[comptime] stages: usize) {
         if stage == 0 {
             self.stage_0.arrive_and_wait();
