@@ -448,7 +448,7 @@ pub fn decode_config(
         MAX_ROWS_CPU
     };
     let rows = packed.next_power_of_two().min(max_rows).min(units);
-    let config = |block_kv: usize| DecodeConfig {
+    let config = |rows: usize, block_kv: usize| DecodeConfig {
         rows,
         block_kv,
         units,
@@ -467,7 +467,7 @@ pub fn decode_config(
     };
     let fits = |config: &DecodeConfig, budget: usize| config.shared_bytes() <= budget;
     if let Some((_, block_kv)) = tiles {
-        let c = config(block_kv);
+        let c = config(rows, block_kv);
         return match fits(&c, limits.max_shared_memory) {
             true => Ok(c),
             false => Err(FlashError::InvalidConfig(format!(
@@ -476,24 +476,37 @@ pub fn decode_config(
         };
     }
     // A block one plane wide, its softmax on the plane; else the largest block that fits.
-    let plane = config(limits.plane_size);
+    let plane = config(rows, limits.plane_size);
     if plane.plane_softmax && fits(&plane, PLANE_SHARED_BYTES.min(limits.max_shared_memory)) {
         return Ok(plane);
     }
-    let budget = SHARED_BYTES.min(limits.max_shared_memory);
     let blocks: &[usize] = match limits.plane_ops {
         true => &[64, 32, 16, 8],
         false => &BLOCKS_CPU,
     };
+    // The largest block within a budget that leaves the multiprocessor room for several
+    // cubes; else (large head dims in f32) within all the shared memory a cube may have,
+    // with fewer query rows per cube if need be (more cubes cover the packed rows).
+    let budget = SHARED_BYTES.min(limits.max_shared_memory);
+    let fewer_rows = std::iter::successors(Some(rows), |&r| (r > 1).then_some(r / 2));
     blocks
         .iter()
-        .map(|&block_kv| config(block_kv))
-        .find(|c| fits(c, budget))
+        .map(|&block_kv| (config(rows, block_kv), budget))
+        .chain(fewer_rows.flat_map(|rows| {
+            blocks
+                .iter()
+                .map(move |&block_kv| (config(rows, block_kv), limits.max_shared_memory))
+        }))
+        .find(|(c, budget)| fits(c, *budget))
+        .map(|(c, _)| c)
         .ok_or_else(|| {
             FlashError::InvalidConfig(format!(
-                "head dims {}/{} with {rows} packed query rows need more than the {budget} bytes \
-                 of shared memory this device offers a cube",
-                problem.dim_qk, problem.dim_v
+                "head dims {}/{} need more than the {} bytes of shared memory this device \
+                 offers a cube, even for one query row and {} keys at a time",
+                problem.dim_qk,
+                problem.dim_v,
+                limits.max_shared_memory,
+                blocks[blocks.len() - 1]
             ))
         })
 }
