@@ -12,7 +12,7 @@
 # serving (decode kernels, the append, the merge). The sanitizer slows kernels by 10–100×:
 # the groups keep to small problems. `FLASH_CASE` limits the kernel catalogue and the
 # score-terms problems to one each (default 2); `SANITIZE_GROUPS="decode varlen"` runs
-# those groups only.
+# those groups only; `SANITIZE_TIMEOUT=seconds` stops a pair that runs longer (rc 124).
 set -u
 bin=${1:?usage: tools/sanitize.sh TEST_BINARY OUT_DIR [TOOL...]}
 out=${2:?usage: tools/sanitize.sh TEST_BINARY OUT_DIR [TOOL...]}
@@ -41,7 +41,7 @@ for tool in "${tools[@]}"; do
     fi
     log="$out/$tool-$name.log"
     # shellcheck disable=SC2086
-    "$sanitizer" --tool "$tool" --print-limit 20 --error-exitcode 99 \
+    timeout "${SANITIZE_TIMEOUT:-0}" "$sanitizer" --tool "$tool" --print-limit 20 --error-exitcode 99 \
       "$bin" $filters --exact --test-threads 1 >"$log" 2>&1
     rc=$?
     errors=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | tail -1)
