@@ -17,6 +17,7 @@
 //! against the keys ([`BiasLine::along_keys`]) or, in the dK/dV kernels that hold `Sᵀ`, a
 //! key against the queries ([`BiasLine::along_queries`]).
 
+use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +28,7 @@ use crate::mma_sync::Pair;
 use crate::problem::AttentionProblem;
 use crate::score_mod::{ScoreFn, add_f32, store_f32};
 use crate::softmax::MASKED;
+use crate::tile::{COPY, SharedLayout, shared_offset};
 
 /// Which terms a kernel adds to the scores, and whether it drops probabilities
 /// ([`crate::dropout`]): compiled in, nothing runs for an absent one.
@@ -446,6 +448,178 @@ impl BiasGradLine {
 #[cube]
 pub fn backward_lse(lse: f32) -> f32 {
     select(lse < f32::new(MASKED), f32::new(-MASKED), lse)
+}
+
+/// Whether the launchers stage `bias` ([`BiasTile`]): a [`stageable`] bias, unless
+/// `FLASH_BIAS_STAGED=0` asks for the loads at the lanes' scores, for comparison.
+pub(crate) fn stage_bias(bias: Option<&DeviceTensor>, elem: usize) -> bool {
+    std::env::var("FLASH_BIAS_STAGED").as_deref() != Ok("0")
+        && bias.is_some_and(|b| stageable(b, elem))
+}
+
+/// Whether the kernels may stage `bias` tiles by 16-byte asynchronous copies
+/// ([`BiasTile`]): every query row starts on a 16-byte boundary and its keys are contiguous
+/// (a bias broadcast over the keys is read by [`read_columns`] instead). Dimensions of size
+/// 1 broadcast whatever their stride.
+pub(crate) fn stageable(bias: &DeviceTensor, elem: usize) -> bool {
+    let offset = bias.handle.offset_start.unwrap_or(0) as usize;
+    bias.shape[3] > 1
+        && bias.strides[3] == 1
+        && (0..3).all(|i| bias.shape[i] == 1 || (bias.strides[i] * elem).is_multiple_of(16))
+        && offset.is_multiple_of(16)
+}
+
+/// The bias of one cube's query rows, copied a key block at a time into shared memory by
+/// 16-byte asynchronous copies, a block ahead of its use as the kernels' K and V blocks are
+/// ([`crate::stages`]), then read from there at the lanes' scores ([`read_staged_columns`]).
+/// Coalesced and in flight a whole block ahead, the copies cost the loop little, where
+/// loads at the lanes' scores ([`read_columns`]) are many small ones with less time to land.
+/// A tile holds `rows` query rows of `cols` keys, [`SharedLayout::Swizzled`], so that the
+/// lanes of a plane read their pairs from different banks. Needs [`stageable`].
+#[derive(CubeType, Clone, Copy)]
+pub struct BiasTile {
+    /// Offset of the cube's first query row, key 0.
+    first: usize,
+    /// Between query rows (0 where the bias broadcasts over them).
+    row_stride: usize,
+    /// Query rows left in the sequence from the first.
+    rows: usize,
+    /// Keys of the sequence.
+    keys: usize,
+}
+
+#[cube]
+impl BiasTile {
+    /// The tile of query rows `first_row..` of `(batch, head)`; unless `staged`, a token
+    /// that reads nothing.
+    pub fn of<F: Float>(
+        bias: &Tensor<F>,
+        batch: usize,
+        head: usize,
+        first_row: usize,
+        seq_q: usize,
+        seq_kv: usize,
+        #[comptime] staged: bool,
+    ) -> BiasTile {
+        let mut tile = BiasTile {
+            first: 0usize,
+            row_stride: 0usize,
+            rows: 0usize,
+            keys: 0usize,
+        };
+        if comptime!(staged) {
+            tile.first = broadcast_index(bias, batch, head, first_row, 0usize);
+            tile.row_stride = broadcast_step(bias.shape(2), bias.stride(2), 1usize);
+            tile.rows = seq_q - first_row;
+            tile.keys = seq_kv;
+        }
+        tile
+    }
+
+    /// Copies the bias of keys `k0..k0 + cols` into `tile` at `offset`; visible after a
+    /// wait on the barrier the unit's copies are next committed to (plain stores too: the
+    /// zeros past the sequence's ends, and the keys of a 16-byte chunk the sequence ends in).
+    #[allow(clippy::too_many_arguments)]
+    pub fn stage<F: Float>(
+        &self,
+        bias: &Tensor<F>,
+        k0: usize,
+        tile: &mut Shared<[F]>,
+        offset: usize,
+        #[comptime] rows: usize,
+        #[comptime] cols: usize,
+        #[comptime] units: usize,
+    ) {
+        let per_row = comptime!(cols / COPY);
+        let chunks = comptime!(rows * per_row);
+        let layout = comptime!(SharedLayout::Swizzled { cols });
+        #[unroll]
+        for pass in 0..comptime!(chunks.div_ceil(units)) {
+            let idx = pass * units + UNIT_POS as usize;
+            if comptime!(chunks.is_multiple_of(units)) || idx < chunks {
+                // Neighbouring units copy neighbouring 16 bytes of a row.
+                let (r, c) = (idx / per_row, (idx % per_row) * COPY);
+                let to = offset + shared_offset(r, c, layout);
+                let from = self.first + r * self.row_stride + k0 + c;
+                if r < self.rows && k0 + c + COPY <= self.keys {
+                    copy_async(
+                        &bias[from..from + COPY],
+                        &mut tile[to..to + COPY],
+                        COPY as u32,
+                    );
+                } else {
+                    #[unroll]
+                    for e in 0..COPY {
+                        let mut value = F::new(0.0);
+                        if r < self.rows && k0 + c + e < self.keys {
+                            value = bias[from + e];
+                        }
+                        tile[to + e] = value;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`read_columns`] from a staged tile ([`BiasTile::stage`], at `offset`, `cols` keys a
+/// row): the lane's pairs of tile row `row`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn read_staged_columns<F: Float>(
+    read: &mut Array<Pair<F>>,
+    first: usize,
+    #[comptime] tiles: usize,
+    half: usize,
+    row: usize,
+    tile: &Shared<[F]>,
+    offset: usize,
+    #[comptime] cols: usize,
+) {
+    let layout = comptime!(SharedLayout::Swizzled { cols });
+    let lane_col = 2 * (UNIT_POS_PLANE as usize % 4);
+    #[unroll]
+    for n in 0..tiles {
+        let at = 2 * (first + n) + half;
+        let from = offset + shared_offset(row, n * 8, layout) + lane_col;
+        let mut pair = read[at];
+        pair.insert(0usize, tile[from]);
+        pair.insert(1usize, tile[from + 1]);
+        read[at] = pair;
+    }
+}
+
+/// [`read_staged_columns`] for kernels whose accumulators hold `Sᵀ` (keys as rows): the
+/// lane's pairs of key `key` (a column of the staged tile, whose rows are queries).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn read_staged_rows<F: Float>(
+    read: &mut Array<Pair<F>>,
+    first: usize,
+    #[comptime] tiles: usize,
+    half: usize,
+    key: usize,
+    tile: &Shared<[F]>,
+    offset: usize,
+    #[comptime] cols: usize,
+) {
+    let layout = comptime!(SharedLayout::Swizzled { cols });
+    let lane_row = 2 * (UNIT_POS_PLANE as usize % 4);
+    let (chunk_col, in_chunk) = (key - key % COPY, key % COPY);
+    #[unroll]
+    for n in 0..tiles {
+        let at = 2 * (first + n) + half;
+        let mut pair = read[at];
+        #[unroll]
+        for e in 0..2usize {
+            let row = n * 8 + lane_row + e;
+            pair.insert(
+                e,
+                tile[offset + shared_offset(row, chunk_col, layout) + in_chunk],
+            );
+        }
+        read[at] = pair;
+    }
 }
 
 /// Reads one line's bias at the lane's positions of accumulator tiles side by side (the

@@ -359,6 +359,11 @@ pub struct RegisterMmaConfig {
     /// loads run under the product rather than after it (when the problem has a bias): the
     /// warpgroup kernels, whose accumulators leave room for the block's bias pairs.
     pub bias_ahead: bool,
+    /// Stage a key block's bias in shared memory a block ahead, with K and V
+    /// ([`crate::bias::BiasTile`]), and read it from there: the warpgroup forward, for a
+    /// bias whose rows 16-byte copies can read ([`crate::bias::stageable`]), where the two
+    /// stages fit beside Q, K and V. Set by the launcher, which sees the bias.
+    pub bias_staged: bool,
 }
 
 impl RegisterMmaConfig {
@@ -379,11 +384,29 @@ impl RegisterMmaConfig {
     pub fn stride(dim: usize) -> usize {
         dim + 8
     }
-    /// Bytes of shared memory of the forward kernel with `elem`-byte inputs: Q, and two
-    /// stages of K and V.
+    /// Bytes of shared memory of the forward kernel with `elem`-byte inputs: Q, two stages
+    /// of K and V, and two of the bias where it is staged.
     pub fn forward_shared_bytes(&self, elem: usize) -> usize {
         let (qk, v, _) = self.shared_layouts();
-        elem * (qk.len(self.block_rows()) + qk.len(2 * self.block_kv) + v.len(2 * self.block_kv))
+        let bias = if self.bias_staged {
+            2 * self.block_rows() * self.block_kv
+        } else {
+            0
+        };
+        elem * (qk.len(self.block_rows())
+            + qk.len(2 * self.block_kv)
+            + v.len(2 * self.block_kv)
+            + bias)
+    }
+    /// This configuration staging the bias ([`RegisterMmaConfig::bias_staged`]), where it
+    /// can: the warpgroup kernel, its two stages fitting in shared memory.
+    pub fn staging_bias(&self, elem: usize, limits: &DeviceLimits) -> Option<Self> {
+        let staged = Self {
+            bias_staged: true,
+            ..*self
+        };
+        (self.warpgroup.is_some() && staged.forward_shared_bytes(elem) <= limits.max_shared_memory)
+            .then_some(staged)
     }
     /// How the forward stages Q, K (first layout) and V in shared memory, and the tiles'
     /// alignment.
@@ -484,6 +507,7 @@ pub fn choose_register_mma_tiles(
         warpgroup: None,
         kv_together: false,
         bias_ahead: false,
+        bias_staged: false,
     };
     // sm_90: warpgroup products, two warpgroups of 64 query rows sharing the key blocks:
     // 64 keys at d = 64, 128 at d = 128. Swept on the H200 (bf16, s = 1k/4k, causal and not,
@@ -566,6 +590,9 @@ pub struct RegisterBackwardConfig {
     /// Read a streamed block's bias into registers before the block's products (when the
     /// problem has a bias), as [`RegisterMmaConfig::bias_ahead`]: the warpgroup kernels.
     pub bias_ahead: bool,
+    /// Stage a streamed block's bias in shared memory with it, as
+    /// [`RegisterMmaConfig::bias_staged`]. Set by the launcher.
+    pub bias_staged: bool,
 }
 
 /// How the dK/dV kernel with [`RegisterBackwardConfig::atomic_dq`] shares a query block's
@@ -611,7 +638,24 @@ impl RegisterBackwardConfig {
         } else {
             0
         };
-        elem * (qk.len(rows) + v.len(rows) + scores)
+        let bias = if self.bias_staged {
+            2 * self.block_rows() * self.block_stream
+        } else {
+            0
+        };
+        elem * (qk.len(rows) + v.len(rows) + scores + bias)
+    }
+    /// This configuration staging the bias ([`RegisterBackwardConfig::bias_staged`]), where
+    /// it can: the warpgroup kernels, their two stages fitting in shared memory.
+    pub fn staging_bias(&self, elem: usize, limits: &DeviceLimits) -> Option<Self> {
+        let staged = Self {
+            bias_staged: true,
+            ..*self
+        };
+        (self.warpgroup.is_some()
+            && self.block_stream.is_multiple_of(64)
+            && staged.shared_bytes(elem) <= limits.max_shared_memory)
+            .then_some(staged)
     }
     /// How both kernels stage the rows of Q or K and of V or dO in shared memory, and the
     /// tiles' alignment: swizzled for warpgroup products (atoms aligned to 1024 bytes), else
@@ -728,6 +772,7 @@ pub fn choose_register_backward_tiles(
                 paired_atomics: limits.paired_f32_atomics,
                 warpgroup,
                 bias_ahead: warpgroup.is_some(),
+                bias_staged: false,
             },
         )
         .find(|c| {

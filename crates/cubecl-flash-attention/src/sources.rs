@@ -912,9 +912,20 @@ fn kernels(
         if also_without && forwards[0].as_ref().is_ok_and(|c| c.warpgroup.is_some()) {
             forwards.push(register_mma_config(problem, &without_warpgroup));
         }
+        // A bias staged in shared memory, as the launcher runs a bias 16-byte copies read.
+        if terms.bias
+            && let Some(staged) = forwards[0]
+                .as_ref()
+                .ok()
+                .and_then(|c| c.staging_bias(problem.dtype.size(), limits))
+        {
+            forwards.push(Ok(staged));
+        }
         for config in forwards {
             kernels.push((
-                if config.as_ref().is_ok_and(|c| c.warpgroup.is_some()) {
+                if config.as_ref().is_ok_and(|c| c.bias_staged) {
+                    "forward_wgmma_staged_bias"
+                } else if config.as_ref().is_ok_and(|c| c.warpgroup.is_some()) {
                     "forward_wgmma"
                 } else {
                     "forward_mma"
@@ -972,10 +983,18 @@ fn kernels(
                 false => &[limits],
             };
             for &limits in variants {
-                if let Ok(c) = register_backward_config(&problem, limits)
-                    && !configs.contains(&c)
-                {
-                    configs.push(c);
+                if let Ok(c) = register_backward_config(&problem, limits) {
+                    // A bias staged in shared memory, as the launcher runs a bias 16-byte
+                    // copies read.
+                    let staged = terms
+                        .bias
+                        .then(|| c.staging_bias(problem.dtype.size(), limits))
+                        .flatten();
+                    for c in std::iter::once(c).chain(staged) {
+                        if !configs.contains(&c) {
+                            configs.push(c);
+                        }
+                    }
                 }
             }
         }
@@ -983,6 +1002,7 @@ fn kernels(
             for c in configs {
                 for &gradients in c.key_gradients() {
                     let name = match gradients {
+                        KeyGradients::Both if c.bias_staged => "backward_dkdv_wgmma_staged_bias",
                         KeyGradients::Both if c.atomic_dq => "backward_dkdv_dq_mma",
                         KeyGradients::Both if c.warpgroup.is_some() => "backward_dkdv_wgmma",
                         KeyGradients::Both => "backward_dkdv_mma",
@@ -1054,7 +1074,9 @@ fn kernels(
                     continue;
                 }
                 kernels.push((
-                    if c.warpgroup.is_some() {
+                    if c.bias_staged {
+                        "backward_dq_wgmma_staged_bias"
+                    } else if c.warpgroup.is_some() {
                         "backward_dq_wgmma"
                     } else {
                         "backward_dq_mma"

@@ -477,7 +477,7 @@ pub fn write_rows<F: Float>(
 }
 
 /// Elements of one 16-byte asynchronous copy.
-const COPY: usize = 8;
+pub const COPY: usize = 8;
 
 /// How a tile of rows is laid out in shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -30,7 +30,9 @@
 
 use cubecl::prelude::*;
 
-use crate::bias::{BiasLine, ScoreTerms, add_to_columns, base2_scores, read_columns};
+use crate::bias::{
+    BiasLine, BiasTile, ScoreTerms, add_to_columns, base2_scores, read_columns, read_staged_rows,
+};
 use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, KeyGradients, RegisterBackwardConfig, RegisterMmaConfig};
 use crate::dropout::{DropoutArgs, apply_keep_bits};
@@ -158,6 +160,14 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     let mut do_tile = Shared::<[F]>::new_aligned_slice(2 * do_stage, align);
     let mut stats_tile = Shared::<[f32]>::new_aligned_slice(2 * stats_stage, 16usize);
     let ds_tile = Shared::<[F]>::new_aligned_slice(ds_len, 16usize);
+    // A query block's bias at the cube's keys, staged in shared memory with Q and dO
+    // ([`BiasTile`]: the tile's rows are the block's queries, its columns the cube's keys).
+    let bias_staged = comptime!(config.bias_staged && terms.bias);
+    let bias_stage = comptime!(block_q * block_k);
+    let mut bias_tile = Shared::<[F]>::new_aligned_slice(
+        comptime!(if bias_staged { 2 * bias_stage } else { 8 }),
+        align,
+    );
     let landed = StageBarriers::new(2usize);
 
     let mask = Mask::new(seq_q, seq_kv, window_left, window_right);
@@ -221,6 +231,10 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         );
         let q0 = usize::cast_from(sparse.start(block_words, &blocks, 0, block_q, view));
         let head_q = head_kv * group_size;
+        if comptime!(bias_staged) {
+            let rows = BiasTile::of(bias, sequence.index, head_q, q0, seq_q, seq_kv, true);
+            rows.stage(bias, k_begin, &mut bias_tile, 0, block_q, block_k, units);
+        }
         stage_rows_async(
             q,
             &q_rows,
@@ -268,7 +282,9 @@ pub fn flash_backward_dkdv_mma<F: Float>(
     // A streamed block's bias at the lane's scores, read before the block's products (the
     // layout of the scores; a token array unless the bias is read ahead).
     let bias_ahead = comptime!(config.bias_ahead && terms.bias);
-    let mut bias_read = Array::<Pair<F>>::new(comptime!(if bias_ahead { 2 * s_tiles } else { 1 }));
+    let bias_in_registers = comptime!(bias_ahead || bias_staged);
+    let mut bias_read =
+        Array::<Pair<F>>::new(comptime!(if bias_in_registers { 2 * s_tiles } else { 1 }));
 
     for step in 0..steps {
         let stage = usize::cast_from(step % 2);
@@ -279,7 +295,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         let next_step = (step + 1) % blocks.count;
         let next_q0 =
             usize::cast_from(sparse.start(block_words, &blocks, next_step, block_q, view));
-        if comptime!(bias_ahead) {
+        if comptime!(bias_ahead && !bias_staged) {
             let head_q = head_kv * group_size + usize::cast_from(step / blocks.count);
             #[unroll]
             for half in 0..2usize {
@@ -314,6 +330,19 @@ pub fn flash_backward_dkdv_mma<F: Float>(
         }
         if step + 1 < steps {
             let next_head = head_kv * group_size + usize::cast_from((step + 1) / blocks.count);
+            if comptime!(bias_staged) {
+                let rows = BiasTile::of(
+                    bias,
+                    sequence.index,
+                    next_head,
+                    next_q0,
+                    seq_q,
+                    seq_kv,
+                    true,
+                );
+                let at = next * bias_stage;
+                rows.stage(bias, k_begin, &mut bias_tile, at, block_q, block_k, units);
+            }
             stage_rows_async(
                 q,
                 &q_rows,
@@ -481,6 +510,20 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     terms,
                 );
                 let p0 = usize::cast_from(q0);
+                if comptime!(bias_staged) {
+                    let at = stage * bias_stage;
+                    let key = plane_row + group + 8 * half;
+                    read_staged_rows(
+                        &mut bias_read,
+                        0,
+                        s_tiles,
+                        half,
+                        key,
+                        &bias_tile,
+                        at,
+                        block_k,
+                    );
+                }
                 add_to_columns(
                     &mut logits,
                     0,
@@ -492,7 +535,7 @@ pub fn flash_backward_dkdv_mma<F: Float>(
                     &bias_read,
                     LOG2_E,
                     terms,
-                    bias_ahead,
+                    bias_in_registers,
                 );
                 if comptime!(with_fn) {
                     // The function's input is kept by the dQ kernel alone.

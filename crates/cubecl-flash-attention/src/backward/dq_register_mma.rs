@@ -19,8 +19,8 @@
 use cubecl::prelude::*;
 
 use crate::bias::{
-    BiasGradLine, BiasLine, ScoreTerms, add_grad_columns, add_to_columns, base2_scores,
-    read_columns,
+    BiasGradLine, BiasLine, BiasTile, ScoreTerms, add_grad_columns, add_to_columns, base2_scores,
+    read_columns, read_staged_columns,
 };
 use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, RegisterBackwardConfig, RegisterMmaConfig};
@@ -125,6 +125,13 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
     let mut do_tile = Shared::<[F]>::new_aligned_slice(comptime!(v_layout.len(block_q)), align);
     let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, align);
     let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, align);
+    // A key block's bias staged in shared memory with K and V ([`BiasTile`]).
+    let bias_staged = comptime!(config.bias_staged && terms.bias);
+    let bias_stage = comptime!(block_q * block_k);
+    let mut bias_tile = Shared::<[F]>::new_aligned_slice(
+        comptime!(if bias_staged { 2 * bias_stage } else { 8 }),
+        align,
+    );
     let landed = StageBarriers::new(2usize);
 
     let dropout = dropout.stream(sequence.index, q.shape(1), head.head_q);
@@ -178,7 +185,18 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
     // A streamed block's bias at the lane's scores, read before the block's products (the
     // layout of the scores; a token array unless the bias is read ahead).
     let bias_ahead = comptime!(config.bias_ahead && terms.bias);
-    let mut bias_read = Array::<Pair<F>>::new(comptime!(if bias_ahead { 2 * s_tiles } else { 1 }));
+    let bias_in_registers = comptime!(bias_ahead || bias_staged);
+    let mut bias_read =
+        Array::<Pair<F>>::new(comptime!(if bias_in_registers { 2 * s_tiles } else { 1 }));
+    let bias_rows = BiasTile::of(
+        bias,
+        sequence.index,
+        head.head_q,
+        q_begin,
+        seq_q,
+        seq_kv,
+        bias_staged,
+    );
 
     let call = ScoreCall::new(sequence.index, head.head_q, seq_q, seq_kv);
     let mut dq_acc = zeros(comptime!(2 * dq_tiles));
@@ -225,6 +243,9 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
             v_layout,
             units,
         );
+        if comptime!(bias_staged) {
+            bias_rows.stage(bias, k0, &mut bias_tile, 0, block_q, block_k, units);
+        }
         stage_rows_async(
             k,
             &k_rows,
@@ -264,7 +285,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
         let next_tile = min(block + 1, blocks.count - 1);
         let next_k0 =
             usize::cast_from(sparse.start(block_words, &blocks, next_tile, block_k, view));
-        if comptime!(bias_ahead) {
+        if comptime!(bias_ahead && !bias_staged) {
             #[unroll]
             for half in 0..2usize {
                 let line = terms_line.moved_to((line_offset[half], line_center[half]));
@@ -288,6 +309,10 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
             sync_cube();
         }
         if block + 1 < blocks.count {
+            if comptime!(bias_staged) {
+                let at = next * bias_stage;
+                bias_rows.stage(bias, next_k0, &mut bias_tile, at, block_q, block_k, units);
+            }
             stage_rows_async(
                 k,
                 &k_rows,
@@ -417,6 +442,20 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
             #[unroll]
             for half in 0..2usize {
                 let line = terms_line.moved_to((line_offset[half], line_center[half]));
+                if comptime!(bias_staged) {
+                    let row = plane_row + group + 8 * half;
+                    let at = stage * bias_stage;
+                    read_staged_columns(
+                        &mut bias_read,
+                        0,
+                        s_tiles,
+                        half,
+                        row,
+                        &bias_tile,
+                        at,
+                        block_k,
+                    );
+                }
                 add_to_columns(
                     &mut logits,
                     0,
@@ -428,7 +467,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
                     &bias_read,
                     LOG2_E,
                     terms,
-                    bias_ahead,
+                    bias_in_registers,
                 );
                 if comptime!(with_fn) {
                     let row = q_begin + plane_row + group + 8 * half;

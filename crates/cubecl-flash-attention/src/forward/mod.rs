@@ -6,7 +6,7 @@ mod register_mma;
 
 use cubecl::prelude::*;
 
-use crate::bias::{ScoreBias, ScoreTerms, TermsGrad};
+use crate::bias::{ScoreBias, ScoreTerms, TermsGrad, stage_bias};
 use crate::config::{
     DeviceLimits, KernelPath, MmaConfig, RegisterMmaConfig, TileConfig, apply_tile_override,
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_mma_tiles,
@@ -294,10 +294,12 @@ fn launch(
     let limits = DeviceLimits::from_properties(client.properties());
     let (left, right) = window_args(&problem);
     let (block_words, block_view) = bias.block_args(lse, false);
+    let bias_tensor = bias.bias;
     let [bias, slopes, params] = bias.args(q, lse);
     let terms = terms.with_dropout_of(&problem);
     match plan(path, &problem, &limits, [q, k, v])? {
         Plan::RegisterMma(config) => {
+            let config = with_staged_bias(config, bias_tensor, dtype.size(), &limits);
             if let Some(blocks) = terms.block_mask {
                 blocks.check_tiles(config.block_rows(), config.block_kv)?;
             }
@@ -530,6 +532,20 @@ pub(crate) fn register_mma_config(
         shared_bytes,
         &limits,
     )
+}
+
+/// `config` staging the bias in shared memory where it can ([`RegisterMmaConfig::bias_staged`],
+/// [`stage_bias`]).
+fn with_staged_bias(
+    config: RegisterMmaConfig,
+    bias: Option<&DeviceTensor>,
+    elem: usize,
+    limits: &DeviceLimits,
+) -> RegisterMmaConfig {
+    match config.staging_bias(elem, limits) {
+        Some(staged) if stage_bias(bias, elem) => staged,
+        _ => config,
+    }
 }
 
 /// Tiles of the portable forward kernel: K and V rows are staged in f32.

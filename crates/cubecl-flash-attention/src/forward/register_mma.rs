@@ -25,7 +25,9 @@
 
 use cubecl::prelude::*;
 
-use crate::bias::{BiasLine, ScoreTerms, add_to_columns, read_columns};
+use crate::bias::{
+    BiasLine, BiasTile, ScoreTerms, add_to_columns, read_columns, read_staged_columns,
+};
 use crate::block_mask::{SparseBlocks, ViewLayout};
 use crate::config::{FRAGMENT, RegisterMmaConfig};
 use crate::dropout::{DropoutArgs, apply_keep_bits};
@@ -135,6 +137,14 @@ pub fn flash_forward_mma<F: Float>(
     let mut q_tile = Shared::<[F]>::new_aligned_slice(comptime!(qk_layout.len(block_q)), align);
     let mut k_tile = Shared::<[F]>::new_aligned_slice(2 * k_stage, align);
     let mut v_tile = Shared::<[F]>::new_aligned_slice(2 * v_stage, align);
+    // A key block's bias staged in shared memory with K and V, read from there after the
+    // block's product ([`BiasTile`]).
+    let bias_staged = comptime!(config.bias_staged && terms.bias);
+    let bias_stage = comptime!(block_q * block_kv);
+    let mut bias_tile = Shared::<[F]>::new_aligned_slice(
+        comptime!(if bias_staged { 2 * bias_stage } else { 8 }),
+        align,
+    );
     let k_landed = StageBarriers::new(2usize);
     let v_landed = StageBarriers::new(2usize);
 
@@ -158,12 +168,22 @@ pub fn flash_forward_mma<F: Float>(
     // A key block's bias at the lane's scores, read before the block's product (the layout
     // of the scores; a token array unless the bias is read ahead).
     let bias_ahead = comptime!(config.bias_ahead && terms.bias);
-    let mut bias_read = Array::<Pair<F>>::new(comptime!(if bias_ahead {
+    let bias_in_registers = comptime!(bias_ahead || bias_staged);
+    let mut bias_read = Array::<Pair<F>>::new(comptime!(if bias_in_registers {
         2 * m_tiles * s_tiles
     } else {
         1
     }));
     let mut line_center = Array::<f32>::new(terms_rows);
+    let bias_rows = BiasTile::of(
+        bias,
+        sequence.index,
+        head.head_q,
+        q_begin,
+        seq_q,
+        seq_kv,
+        bias_staged,
+    );
     let terms_line = BiasLine::along_keys(
         bias,
         alibi_slopes,
@@ -229,6 +249,10 @@ pub fn flash_forward_mma<F: Float>(
             qk_layout,
             units,
         );
+        // The bias copies go to K's barrier: it tracks every copy the unit issued before.
+        if comptime!(bias_staged) {
+            bias_rows.stage(bias, k0, &mut bias_tile, 0, block_q, block_kv, units);
+        }
         stage_block(
             k,
             &k_rows,
@@ -283,7 +307,7 @@ pub fn flash_forward_mma<F: Float>(
             view,
         );
 
-        if comptime!(bias_ahead) {
+        if comptime!(bias_ahead && !bias_staged) {
             #[unroll]
             for r in 0..comptime!(2 * m_tiles) {
                 let line = terms_line.moved_to((line_offset[r], line_center[r]));
@@ -328,6 +352,10 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
         if has_next {
+            if comptime!(bias_staged) {
+                let at = next * bias_stage;
+                bias_rows.stage(bias, next_k0, &mut bias_tile, at, block_q, block_kv, units);
+            }
             stage_block(
                 k,
                 &k_rows,
@@ -444,6 +472,20 @@ pub fn flash_forward_mma<F: Float>(
                 let line = terms_line.moved_to((line_offset[r], line_center[r]));
                 let p0 = usize::cast_from(k0);
                 let (t, half) = (r / 2, r % 2);
+                if comptime!(bias_staged) {
+                    let row = plane_row + t * FRAGMENT + group + 8 * half;
+                    let at = stage * bias_stage;
+                    read_staged_columns(
+                        &mut bias_read,
+                        t * s_tiles,
+                        s_tiles,
+                        half,
+                        row,
+                        &bias_tile,
+                        at,
+                        block_kv,
+                    );
+                }
                 add_to_columns(
                     &mut s_acc,
                     t * s_tiles,
@@ -455,7 +497,7 @@ pub fn flash_forward_mma<F: Float>(
                     &bias_read,
                     terms_unit,
                     terms,
-                    bias_ahead,
+                    bias_in_registers,
                 );
             }
         }
