@@ -30,7 +30,7 @@ mod preprocess;
 
 use cubecl::prelude::*;
 
-use crate::bias::{ScoreBias, ScoreTerms, TermsGrad, stage_bias, sum_bias_grad};
+use crate::bias::{ScoreBias, ScoreTerms, StagedBias, TermsGrad, sum_bias_grad};
 use crate::config::{
     DeviceLimits, KernelPath, MmaConfig, RegisterBackwardConfig, TileConfig, apply_tile_override,
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_backward_tiles,
@@ -464,7 +464,8 @@ fn launch(
     // Absent terms pass tokens the kernels never read.
     let (block_words, by_query) = bias.block_args(lse, false);
     let (_, by_key) = bias.block_args(lse, true);
-    let staged_bias = stage_bias(bias.bias, dtype.size());
+    let dim = problem.dim_qk.max(problem.dim_v);
+    let staged_bias = StagedBias::Backward { dim }.wanted(bias.bias, dtype.size());
     let [bias, slopes, params] = bias.args(q, lse);
     let terms = terms.with_dropout_of(&problem);
     let dbias = outputs.dbias.unwrap_or(lse).clone();

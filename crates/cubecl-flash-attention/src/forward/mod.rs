@@ -6,7 +6,7 @@ mod register_mma;
 
 use cubecl::prelude::*;
 
-use crate::bias::{ScoreBias, ScoreTerms, TermsGrad, stage_bias};
+use crate::bias::{ScoreBias, ScoreTerms, StagedBias, TermsGrad};
 use crate::config::{
     DeviceLimits, KernelPath, MmaConfig, RegisterMmaConfig, TileConfig, apply_tile_override,
     choose_mma_tiles, choose_path, choose_portable_tiles, choose_register_mma_tiles,
@@ -534,8 +534,8 @@ pub(crate) fn register_mma_config(
     )
 }
 
-/// `config` staging the bias in shared memory where it can ([`RegisterMmaConfig::bias_staged`],
-/// [`stage_bias`]).
+/// `config` staging the bias in shared memory where it can and should
+/// ([`RegisterMmaConfig::bias_staged`], [`StagedBias`]).
 fn with_staged_bias(
     config: RegisterMmaConfig,
     bias: Option<&DeviceTensor>,
@@ -543,7 +543,7 @@ fn with_staged_bias(
     limits: &DeviceLimits,
 ) -> RegisterMmaConfig {
     match config.staging_bias(elem, limits) {
-        Some(staged) if stage_bias(bias, elem) => staged,
+        Some(staged) if StagedBias::Forward.wanted(bias, elem) => staged,
         _ => config,
     }
 }
