@@ -23,6 +23,8 @@
 //! - [`warm_up`]: compiles the kernels a model will launch before the first request; with
 //!   the `kernel-cache` feature, `enable_kernel_cache` keeps them on disk for later
 //!   processes;
+//! - [`flash_attention_fp8`]: attention on FP8 (E4M3) inputs held as Burn quantized tensors
+//!   ([`quantize_fp8`]), and [`flash_attention_fp8_trained`] to train with it;
 //! - [`FlashAttentionOptions`]: scale, causal, sliding window, softcap, dropout on the
 //!   probabilities ([`Dropout`], streams from [`next_dropout`]);
 //! - [`FlashMultiHeadAttention`]: a drop-in multi-head attention module;
@@ -34,6 +36,7 @@ mod backends;
 mod bias;
 mod dropout;
 mod fallback;
+mod fp8;
 pub mod module;
 pub mod ops;
 mod options;
@@ -44,6 +47,9 @@ mod warm_up;
 pub use attention::{flash_attention, flash_attention_with_lse, supports_flash_attention};
 pub use bias::{AttentionBias, BlockMask, flash_attention_biased, flash_attention_biased_with_lse};
 pub use dropout::{Dropout, next_dropout, seed_dropout};
+pub use fp8::{
+    Fp8Scaling, flash_attention_fp8, flash_attention_fp8_trained, fp8_scheme, quantize_fp8,
+};
 pub use module::{FlashMultiHeadAttention, FlashMultiHeadAttentionConfig};
 pub use options::{
     BiasedOptions, DecodeOptions, FlashAttentionOptions, PackedLengths, VarlenOptions,

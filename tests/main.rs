@@ -8,6 +8,7 @@ mod common;
 mod decode;
 mod dropout;
 mod examples;
+mod fp8;
 mod fuzz;
 mod huge;
 mod kernels;

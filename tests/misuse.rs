@@ -12,9 +12,9 @@ use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use burn_flash_attention::kernels::reference::{self, Dims, ReferenceOptions};
 use burn_flash_attention::kernels::{FloatDtype, MaskSpec};
 use burn_flash_attention::{
-    AttentionBias, Dropout, FlashAttentionOptions, KvCache, PackedSequences, flash_attention,
-    flash_attention_biased, flash_attention_varlen, flash_attention_with_kvcache,
-    flash_attention_with_lse,
+    AttentionBias, Dropout, FlashAttentionOptions, Fp8Scaling, KvCache, PackedSequences,
+    flash_attention, flash_attention_biased, flash_attention_fp8, flash_attention_varlen,
+    flash_attention_with_kvcache, flash_attention_with_lse, quantize_fp8,
 };
 
 use crate::common::{self, assert_close, naive, tensor, values};
@@ -227,6 +227,24 @@ fn list() -> Vec<Misuse> {
                 );
             },
         ),
+        misuse(
+            "an FP8 call given a float query",
+            "`q` has dtype",
+            |device| {
+                let [q, k, v] = qkv(device);
+                let [k, v] = [k, v].map(|t| quantize_fp8(t, Fp8Scaling::PerTensor));
+                let options = FlashAttentionOptions::default();
+                flash_attention_fp8(q, k, v, options, DType::F32);
+            },
+        ),
+        misuse("an FP8 call asked for integers", "`out_dtype`", |device| {
+            let [q, k, v] = qkv(device).map(|t| quantize_fp8(t, Fp8Scaling::PerRow));
+            let options = FlashAttentionOptions::default();
+            flash_attention_fp8(q, k, v, options, DType::I32);
+        }),
+        misuse("FP8 rows of 6 values", "head dim 6", |device| {
+            quantize_fp8(zeros([1, 1, 4, 6], device), Fp8Scaling::PerTensor);
+        }),
     ]
 }
 
