@@ -454,12 +454,15 @@ pub fn backward_lse(lse: f32) -> f32 {
 /// the backward's kernels at head dims up to 64. Measured on the H100 (bf16, s = 4096,
 /// causal, docs/benchmarks.md): staged, the forward ran 1.17× (d = 128) and 1.25× (d = 64)
 /// faster than with the bias read at the lanes' scores, the backward 1.14× faster at d = 64
-/// but 1.10× slower at d = 128. `FLASH_BIAS_STAGED=0` stages nowhere, `=fwd` in the forward
-/// alone, `=all` everywhere, for comparison.
+/// but 1.10× slower at d = 128 (where the dK/dV kernel's two stages of bias take the shared
+/// memory a second cube on the multiprocessor needed). `FLASH_BIAS_STAGED=0` stages
+/// nowhere; `=fwd`, `=dq`, `=dkdv` in the forward alone or also in that backward kernel;
+/// `=all` everywhere, for comparison.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum StagedBias {
     Forward,
-    Backward { dim: usize },
+    Dq { dim: usize },
+    Dkdv { dim: usize },
 }
 
 impl StagedBias {
@@ -469,8 +472,9 @@ impl StagedBias {
         let asked = match (std::env::var("FLASH_BIAS_STAGED").as_deref(), self) {
             (Ok("0"), _) => false,
             (Ok("all"), _) | (_, Self::Forward) => true,
-            (Ok("fwd"), Self::Backward { .. }) => false,
-            (_, Self::Backward { dim }) => dim <= 64,
+            (Ok("dq"), Self::Dq { .. }) | (Ok("dkdv"), Self::Dkdv { .. }) => true,
+            (Ok("fwd" | "dq" | "dkdv"), _) => false,
+            (_, Self::Dq { dim } | Self::Dkdv { dim }) => dim <= 64,
         };
         asked && bias.is_some_and(|b| stageable(b, elem))
     }

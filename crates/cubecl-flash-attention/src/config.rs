@@ -364,6 +364,10 @@ pub struct RegisterMmaConfig {
     /// bias whose rows 16-byte copies can read ([`crate::bias::stageable`]), where the two
     /// stages fit beside Q, K and V. Set by the launcher, which sees the bias.
     pub bias_staged: bool,
+    /// Launch the cubes of one head's sequences side by side
+    /// ([`crate::tile::Head::from_cube_batch_inner`]): for a bias broadcast over the batch,
+    /// which those cubes then read from L2 once. Set by the launcher.
+    pub batch_inner: bool,
 }
 
 impl RegisterMmaConfig {
@@ -508,6 +512,7 @@ pub fn choose_register_mma_tiles(
         kv_together: false,
         bias_ahead: false,
         bias_staged: false,
+        batch_inner: false,
     };
     // sm_90: warpgroup products, two warpgroups of 64 query rows sharing the key blocks:
     // 64 keys at d = 64, 128 at d = 128. Swept on the H200 (bf16, s = 1k/4k, causal and not,

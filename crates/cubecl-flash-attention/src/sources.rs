@@ -28,7 +28,7 @@ use crate::backward::{
 };
 use crate::bias::{ScoreTerms, sum_bias_grad};
 use crate::block_mask::{BLOCK_GRANULE, BlockShape, ViewLayoutCompilationArg};
-use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients};
+use crate::config::{ATOMIC_DQ_MIN_SEQ_Q, DeviceLimits, KeyGradients, RegisterMmaConfig};
 use crate::decode::{
     append::append_to_cache,
     decode_config,
@@ -919,7 +919,10 @@ fn kernels(
                 .ok()
                 .and_then(|c| c.staging_bias(problem.dtype.size(), limits))
         {
-            forwards.push(Ok(staged));
+            forwards.push(Ok(RegisterMmaConfig {
+                batch_inner: true,
+                ..staged
+            }));
         }
         for config in forwards {
             kernels.push((

@@ -25,6 +25,25 @@ impl Head {
         Head::from_index(CUBE_POS_Y as usize, heads_q, heads_kv)
     }
 
+    /// For kernels with one cube per query head, `batch_inner`: the cubes of one head's
+    /// `batches` sequences neighbours in the launch (`CUBE_POS_Y` enumerates heads·batch),
+    /// so that those running together read a tensor broadcast over the batch once.
+    pub fn from_cube_batch_inner(
+        heads_q: usize,
+        heads_kv: usize,
+        batches: usize,
+        #[comptime] batch_inner: bool,
+    ) -> Head {
+        let mut head = Head::from_cube(heads_q, heads_kv);
+        if comptime!(batch_inner) {
+            let index = CUBE_POS_Y as usize;
+            head.batch = index % batches;
+            head.head_q = index / batches;
+            head.head_kv = head.head_q / (heads_q / heads_kv);
+        }
+        head
+    }
+
     /// For batch·head index `index`.
     pub fn from_index(index: usize, heads_q: usize, heads_kv: usize) -> Head {
         let head_q = index % heads_q;

@@ -465,7 +465,9 @@ fn launch(
     let (block_words, by_query) = bias.block_args(lse, false);
     let (_, by_key) = bias.block_args(lse, true);
     let dim = problem.dim_qk.max(problem.dim_v);
-    let staged_bias = StagedBias::Backward { dim }.wanted(bias.bias, dtype.size());
+    let elem_size = dtype.size();
+    let staged_dq = StagedBias::Dq { dim }.wanted(bias.bias, elem_size);
+    let staged_dkdv = StagedBias::Dkdv { dim }.wanted(bias.bias, elem_size);
     let [bias, slopes, params] = bias.args(q, lse);
     let terms = terms.with_dropout_of(&problem);
     let dbias = outputs.dbias.unwrap_or(lse).clone();
@@ -504,10 +506,12 @@ fn launch(
 
     match plan {
         Plan::RegisterMma(config) => {
-            let config = match config.staging_bias(dtype.size(), &limits) {
-                Some(staged) if staged_bias => staged,
+            // Each kernel stages the bias or not ([`StagedBias`]), where the stages fit.
+            let staged = |wanted: bool| match config.staging_bias(elem_size, &limits) {
+                Some(staged) if wanted => staged,
                 _ => config,
             };
+            let (dkdv_config, dq_config) = (staged(staged_dkdv), staged(staged_dq));
             // dK/dV: cubes of keys streaming queries; dQ: cubes of queries streaming keys.
             if let Some(blocks) = terms.block_mask {
                 blocks.check_tiles(config.block_stream, config.block_rows())?;
@@ -558,7 +562,7 @@ fn launch(
                         block_words.arg(),
                         by_key.arg(),
                         params.arg(),
-                        warpgroup_only_for(config, "dkdv"),
+                        warpgroup_only_for(dkdv_config, "dkdv"),
                         gradients,
                         is_packed,
                         terms,
@@ -616,7 +620,7 @@ fn launch(
                     dbias.arg(),
                     params.arg(),
                     dparams.arg(),
-                    warpgroup_only_for(config, "dq"),
+                    warpgroup_only_for(dq_config, "dq"),
                     is_packed,
                     terms,
                     elem,

@@ -299,7 +299,10 @@ fn launch(
     let terms = terms.with_dropout_of(&problem);
     match plan(path, &problem, &limits, [q, k, v])? {
         Plan::RegisterMma(config) => {
-            let config = with_staged_bias(config, bias_tensor, dtype.size(), &limits);
+            let config = RegisterMmaConfig {
+                batch_inner: batch_inner(bias_tensor, &problem, is_packed),
+                ..with_staged_bias(config, bias_tensor, dtype.size(), &limits)
+            };
             if let Some(blocks) = terms.block_mask {
                 blocks.check_tiles(config.block_rows(), config.block_kv)?;
             }
@@ -546,6 +549,17 @@ fn with_staged_bias(
         Some(staged) if StagedBias::Forward.wanted(bias, elem) => staged,
         _ => config,
     }
+}
+
+/// Whether the register-level forward launches one head's sequences side by side
+/// ([`RegisterMmaConfig::batch_inner`]): for a bias broadcast over a batch of several
+/// sequences (dense batches). `FLASH_BIAS_BATCH_INNER=0` keeps the heads of a sequence side
+/// by side, for comparison.
+fn batch_inner(bias: Option<&DeviceTensor>, problem: &AttentionProblem, packed: bool) -> bool {
+    std::env::var("FLASH_BIAS_BATCH_INNER").as_deref() != Ok("0")
+        && !packed
+        && problem.batch > 1
+        && bias.is_some_and(|b| b.shape[0] == 1)
 }
 
 /// Tiles of the portable forward kernel: K and V rows are staged in f32.

@@ -123,7 +123,7 @@ pub fn flash_forward_mma<F: Float>(
     // The query blocks of one head are neighbours in the launch, so that the cubes running
     // together share their heads' K and V in L2; within a head the last blocks come first:
     // under a causal mask those see the most keys.
-    let head = Head::from_cube(q.shape(1), k.shape(1));
+    let head = Head::from_cube_batch_inner(q.shape(1), k.shape(1), q.shape(0), config.batch_inner);
     let sequence = Sequence::of(head.batch, q, k, cu_seqlens_q, cu_seqlens_kv, packed);
     let (seq_q, seq_kv) = (sequence.seq_q, sequence.seq_kv);
     let q_block = last_first(CUBE_POS_X as usize, CUBE_COUNT_X as usize);
