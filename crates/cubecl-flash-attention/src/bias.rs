@@ -450,18 +450,19 @@ pub fn backward_lse(lse: f32) -> f32 {
     select(lse < f32::new(MASKED), f32::new(-MASKED), lse)
 }
 
-/// Which kernels stage the bias ([`BiasTile`]) where they can: by default the forward, and
-/// the backward's kernels at head dims up to 64. Measured on the H100 (bf16, s = 4096,
-/// causal, docs/benchmarks.md): staged, the forward ran 1.17× (d = 128) and 1.25× (d = 64)
-/// faster than with the bias read at the lanes' scores, the backward 1.14× faster at d = 64
-/// but 1.10× slower at d = 128 (where the dK/dV kernel's two stages of bias take the shared
-/// memory a second cube on the multiprocessor needed). `FLASH_BIAS_STAGED=0` stages
-/// nowhere; `=fwd`, `=dq`, `=dkdv` in the forward alone or also in that backward kernel;
-/// `=all` everywhere, for comparison.
+/// Which kernels stage the bias ([`BiasTile`]) where they can: by default the forward and
+/// the dQ kernel, and the dK/dV kernel at head dims up to 64. Measured on the H100 (bf16,
+/// s = 4096, causal, docs/benchmarks.md) against the bias read at the lanes' scores: the
+/// forward staged ran 1.17× (d = 128) and 1.25× (d = 64) faster; the backward with both
+/// kernels staged 1.14× faster at d = 64 but 1.10× slower at d = 128, and at d = 128 the dQ
+/// kernel alone staged made forward+backward 1.04× faster (there the dK/dV kernel's two
+/// stages of bias take the shared memory a second cube on the multiprocessor needed).
+/// `FLASH_BIAS_STAGED=0` stages nowhere; `=fwd`, `=dq`, `=dkdv` in the forward alone or
+/// also in that backward kernel; `=all` everywhere, for comparison.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum StagedBias {
     Forward,
-    Dq { dim: usize },
+    Dq,
     Dkdv { dim: usize },
 }
 
@@ -472,9 +473,10 @@ impl StagedBias {
         let asked = match (std::env::var("FLASH_BIAS_STAGED").as_deref(), self) {
             (Ok("0"), _) => false,
             (Ok("all"), _) | (_, Self::Forward) => true,
-            (Ok("dq"), Self::Dq { .. }) | (Ok("dkdv"), Self::Dkdv { .. }) => true,
+            (Ok("dq"), Self::Dq) | (Ok("dkdv"), Self::Dkdv { .. }) => true,
             (Ok("fwd" | "dq" | "dkdv"), _) => false,
-            (_, Self::Dq { dim } | Self::Dkdv { dim }) => dim <= 64,
+            (_, Self::Dq) => true,
+            (_, Self::Dkdv { dim }) => dim <= 64,
         };
         asked && bias.is_some_and(|b| stageable(b, elem))
     }

@@ -366,7 +366,7 @@ pub struct RegisterMmaConfig {
     pub bias_staged: bool,
     /// Launch the cubes of one head's sequences side by side
     /// ([`crate::tile::Head::from_cube_batch_inner`]): for a bias broadcast over the batch,
-    /// which those cubes then read from L2 once. Set by the launcher.
+    /// which those cubes then read from L2 once. Set by the launcher (on request).
     pub batch_inner: bool,
 }
 

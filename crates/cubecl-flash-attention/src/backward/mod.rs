@@ -466,7 +466,7 @@ fn launch(
     let (_, by_key) = bias.block_args(lse, true);
     let dim = problem.dim_qk.max(problem.dim_v);
     let elem_size = dtype.size();
-    let staged_dq = StagedBias::Dq { dim }.wanted(bias.bias, elem_size);
+    let staged_dq = StagedBias::Dq.wanted(bias.bias, elem_size);
     let staged_dkdv = StagedBias::Dkdv { dim }.wanted(bias.bias, elem_size);
     let [bias, slopes, params] = bias.args(q, lse);
     let terms = terms.with_dropout_of(&problem);
