@@ -12,7 +12,6 @@ mod shared;
 
 use std::time::Instant;
 
-use burn::tensor::DType;
 use burn_flash_attention::{FlashAttentionOptions, WarmUp, warm_up};
 use clap::Parser;
 
@@ -45,12 +44,7 @@ fn main() {
         );
     }
     let device = shared::device(&args.device);
-    let dtype = match args.dtype.as_str() {
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        "f32" => DType::F32,
-        other => panic!("--dtype {other}: expected bf16, f16 or f32"),
-    };
+    let dtype = shared::dtype(&args.dtype);
     let (heads, dims, seq, capacity) = match args.tiny {
         true => ([4, 2], [32, 32], 64, 64),
         false => ([32, 8], [128, 128], 4096, 8192),

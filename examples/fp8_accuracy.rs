@@ -97,12 +97,7 @@ fn main() {
     }
 
     let device = shared::device(&args.device);
-    let dtype = match args.dtype.as_str() {
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        "f32" => DType::F32,
-        other => panic!("--dtype {other}: expected bf16, f16 or f32"),
-    };
+    let dtype = shared::dtype(&args.dtype);
     for scaling in [Fp8Scaling::PerTensor, Fp8Scaling::PerRow] {
         let [tq, tk, tv] = [&q, &k, &v].map(|x| {
             let data: Vec<f32> = x.iter().map(|&v| v as f32).collect();

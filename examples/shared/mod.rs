@@ -33,6 +33,18 @@ pub fn device(name: &str) -> Device {
     }
 }
 
+/// The float dtype `name` selects: bf16, f16 or f32 (for the examples with `--dtype`).
+#[allow(dead_code)]
+pub fn dtype(name: &str) -> burn::tensor::DType {
+    use burn::tensor::DType;
+    match name {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f32" => DType::F32,
+        other => panic!("--dtype {other}: expected bf16, f16 or f32"),
+    }
+}
+
 /// `steps` batches of `batch` random windows of `seq` bytes of the text: inputs and
 /// next-byte targets, row-major.
 pub fn batches(steps: usize, batch: usize, seq: usize) -> Vec<(Vec<i64>, Vec<i64>)> {
