@@ -872,11 +872,12 @@ pub fn choose_path(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::problem::tests::problem;
 
-    const NVIDIA: DeviceLimits = DeviceLimits {
+    /// An H100's limits (sm_90).
+    pub(crate) const NVIDIA: DeviceLimits = DeviceLimits {
         max_shared_memory: 232_448,
         max_units_per_cube: 1024,
         plane_size: 32,

@@ -1065,3 +1065,34 @@ impl Kernel {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::NVIDIA;
+
+    /// f32 at d = 256 with 4 query heads per K/V head and 5 new queries: 32 packed rows
+    /// need more than the 48 KB the tiles keep to by default; the device has room for them.
+    #[test]
+    fn large_head_dims_take_the_whole_shared_memory_before_refusing() {
+        let problem = AttentionProblem::new(
+            &[1, 4, 5, 256],
+            &[1, 1, 64, 256],
+            &[1, 1, 64, 256],
+            FloatDtype::F32,
+            AttentionOptions::default(),
+        )
+        .unwrap();
+        let config = decode_config(&problem, &NVIDIA, false, true).unwrap();
+        assert_eq!(config.rows, 32);
+        assert!(config.shared_bytes() > 48 * 1024);
+        assert!(config.shared_bytes() <= NVIDIA.max_shared_memory);
+        // Where even one key block of 32 rows does not fit, fewer rows per cube.
+        let small = DeviceLimits {
+            max_shared_memory: 40 * 1024,
+            ..NVIDIA
+        };
+        let config = decode_config(&problem, &small, false, true).unwrap();
+        assert!(config.rows < 32 && config.shared_bytes() <= small.max_shared_memory);
+    }
+}
