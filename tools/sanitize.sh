@@ -13,6 +13,11 @@
 # the groups keep to small problems. `FLASH_CASE` limits the kernel catalogue and the
 # score-terms problems to one each (default 2); `SANITIZE_GROUPS="decode varlen"` runs
 # those groups only; `SANITIZE_TIMEOUT=seconds` stops a pair that runs longer (rc 124).
+#
+# synccheck reports "Missing wait" at the stage barriers of every kernel that streams
+# blocks through `stages.rs` (16-byte copies tied to a barrier by `cp.async.mbarrier.arrive`,
+# then `arrive_and_wait`): tools/mbarrier_synccheck.cu shows the same report on CUDA's
+# documented form of that pipeline, whose results are right; docs/status.md has the runs.
 set -u
 bin=${1:?usage: tools/sanitize.sh TEST_BINARY OUT_DIR [TOOL...]}
 out=${2:?usage: tools/sanitize.sh TEST_BINARY OUT_DIR [TOOL...]}

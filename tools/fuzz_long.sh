@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# A long fuzzing run on a GPU: processes of the integration tests' fuzzers (tests/fuzz.rs)
+# side by side, each with a seed of its own, for a wall-clock budget; then one line per
+# process (kind, path, seed, cases that passed, failures) in OUT_DIR/summary.txt and each
+# failure's smallest case in its log.
+#
+#   tools/fuzz_long.sh TEST_BINARY OUT_DIR SECONDS [JOB...]
+#
+# A job is KIND:PATH[:COPIES] — KIND `dense` (training kernels), `terms` (with score terms)
+# or `decode` (serving steps; PATH is ignored), PATH `portable`, `tensor-core`,
+# `register-mma` or `all`. Default: every kind on every path, two processes each for the
+# register-level path, whose cases compile the most kernels. Seeds are `FUZZ_SEED0` (default
+# the date) plus the process's number, so a run is drawn again by the same seeds. On a GPU
+# each case with new options compiles its kernels (15–30 s for a register-level case):
+# spread the run over the CPU cores rather than lengthening one process.
+set -u
+bin=${1:?usage: tools/fuzz_long.sh TEST_BINARY OUT_DIR SECONDS [JOB...]}
+out=${2:?usage: tools/fuzz_long.sh TEST_BINARY OUT_DIR SECONDS [JOB...]}
+seconds=${3:?usage: tools/fuzz_long.sh TEST_BINARY OUT_DIR SECONDS [JOB...]}
+shift 3
+jobs=("$@")
+[ ${#jobs[@]} -eq 0 ] && jobs=(dense:portable dense:tensor-core dense:register-mma:2
+  terms:portable terms:tensor-core terms:register-mma:2 decode:all:2)
+seed0=${FUZZ_SEED0:-$(date +%Y%m%d)000}
+mkdir -p "$out"
+export FLASH_DEVICE=${FLASH_DEVICE:-cuda}
+
+n=0
+for job in "${jobs[@]}"; do
+  IFS=: read -r kind path copies <<<"$job"
+  case $kind in
+    dense) test=fuzz::random_problems_match_the_oracle ;;
+    terms) test=fuzz::random_problems_with_score_terms_match_the_oracle ;;
+    decode) test=fuzz::random_decode_steps_match_the_oracle ;;
+    *) echo "unknown kind in job $job" >&2; exit 2 ;;
+  esac
+  [ "$path" = all ] && path=""
+  for _ in $(seq "${copies:-1}"); do
+    n=$((n + 1))
+    seed=$((seed0 + n))
+    FLASH_PATH=$path FLASH_FUZZ_CASES=1000000 FLASH_FUZZ_SEED=$seed \
+      timeout "$seconds" "$bin" "$test" --exact --test-threads 1 --nocapture \
+      >"$out/$kind-${path:-all}-$seed.log" 2>&1 &
+  done
+done
+wait
+
+for log in "$out"/*.log; do
+  name=$(basename "$log" .log)
+  # The kernel and score-terms checks print a line per (path, dtype) run, decode one per step.
+  cases=$(grep -cE " total [0-9.]+m?s$|: ok$" "$log")
+  failures=$(grep -c "smallest failing case" "$log")
+  echo "$name: $cases passed, $failures failures"
+done | tee "$out/summary.txt"
