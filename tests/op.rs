@@ -113,6 +113,55 @@ fn check_against_oracle(device: &Device, case: &Case, bshd: bool) {
     assert_close("dV", &got.dv, &grads.dv, &low.dv, 1e-4, &context);
 }
 
+/// A batch of more (sequence, query head) pairs than one launch enumerates (65 535) runs in
+/// parts: outputs and gradients of sequences on both sides of the first part's end equal
+/// those of the same sequences run alone.
+#[test]
+fn batches_past_the_launch_grid_run_in_parts() {
+    let device = common::burn_device().autodiff();
+    // 4100 · 16 = 65 600 pairs: parts of 4095 sequences.
+    let (batch, heads_q, heads_kv, s_q, s_kv, d) = (4100, 16, 4, 2, 3, 8);
+    let (seed, mut rng) = common::rng();
+    let shapes = [
+        [batch, heads_q, s_q, d],
+        [batch, heads_kv, s_kv, d],
+        [batch, heads_kv, s_kv, d],
+    ];
+    let [q, k, v] = shapes.map(|shape| {
+        let x = common::randn(&mut rng, shape.iter().product(), FloatDtype::F32);
+        tensor(&x, shape, &device).require_grad()
+    });
+    let options = FlashAttentionOptions::default().with_causal(true);
+    let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
+    let grads = out.clone().sum().backward();
+    let tail = 4090..batch;
+    let pick = |t: Tensor<4>| values(t.slice([tail.clone()]));
+    let got = [
+        pick(out),
+        pick(q.grad(&grads).unwrap()),
+        pick(k.grad(&grads).unwrap()),
+        pick(v.grad(&grads).unwrap()),
+    ];
+    let [q1, k1, v1] =
+        [&q, &k, &v].map(|t| t.clone().slice([tail.clone()]).detach().require_grad());
+    let out1 = flash_attention(q1.clone(), k1.clone(), v1.clone(), options);
+    let grads1 = out1.clone().sum().backward();
+    let want = [
+        values(out1),
+        values(q1.grad(&grads1).unwrap()),
+        values(k1.grad(&grads1).unwrap()),
+        values(v1.grad(&grads1).unwrap()),
+    ];
+    for (name, (g, w)) in ["O", "dQ", "dK", "dV"].iter().zip(got.iter().zip(&want)) {
+        let err = common::max_abs_diff(g, w);
+        let scale = w.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+        assert!(
+            err <= 1e-5 * scale,
+            "{name} of sequences {tail:?} is off by {err} from them run alone (seed {seed})"
+        );
+    }
+}
+
 #[test]
 fn fallback_backend_gives_the_same_results() {
     let fused = common::burn_device();
