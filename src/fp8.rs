@@ -19,7 +19,7 @@
 use burn::tensor::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype};
 use burn::tensor::{DType, Tensor};
 
-use crate::attention::{check_like_q, flash_attention};
+use crate::attention::flash_attention;
 use crate::options::FlashAttentionOptions;
 
 /// How [`quantize_fp8`] scales values into E4M3's range (±448).
@@ -99,11 +99,7 @@ pub fn flash_attention_fp8(
     for (arg, t) in [("q", &q), ("k", &k), ("v", &v)] {
         check_fp8(arg, t.dtype());
     }
-    check_like_q(
-        "flash_attention_fp8",
-        (q.dtype(), &q.device()),
-        [("k", &k), ("v", &v)].map(|(arg, t)| (arg, q.dtype(), t.device())),
-    );
+    // `flash_attention` checks the shapes and devices, naming the argument.
     let [q, k, v] = [q, k, v].map(|t| t.dequantize().cast(out_dtype));
     flash_attention(q, k, v, options)
 }
@@ -136,7 +132,8 @@ fn straight_through(t: Tensor<4>, scaling: Fp8Scaling) -> Tensor<4> {
     let fp8 = quantize_fp8(t.detach(), scaling)
         .dequantize()
         .cast(DType::F32);
-    let offset = (fp8 - exact.clone().detach()).detach();
+    // `fp8` comes from a detached tensor: the difference is untracked.
+    let offset = fp8 - exact.clone().detach();
     (exact + offset).cast(dtype)
 }
 

@@ -1,8 +1,9 @@
 //! Sizes past 32-bit offsets, on a GPU with 60 GB or more (ignored elsewhere: run with
-//! `--ignored huge`; 45 GB at the peak). A bf16 batch whose queries hold more than 2^32 elements runs through
-//! the Burn op as several calls (`flash_attention`'s parts); the last sequence's output and
-//! gradients, past 2^32 elements from the start, equal those of the same sequence run
-//! alone (within bf16 rounding: the kernels may tile a lone sequence differently).
+//! `--ignored huge`; 45 GB at the peak). A bf16 batch whose queries hold more than 2^32
+//! elements runs through the Burn op as several calls (`flash_attention`'s parts); the last
+//! sequence's output and gradients, past 2^32 elements from the start, equal those of the
+//! same sequence run alone (within bf16 rounding: the kernels may tile a lone sequence
+//! differently).
 
 use burn::tensor::{DType, Distribution, Tensor};
 use burn_flash_attention::{FlashAttentionOptions, flash_attention};
@@ -15,8 +16,9 @@ fn batches_past_32_bit_offsets_match_their_sequences_alone() {
     let device = common::burn_device().autodiff();
     // 520 · 16 · 4096 · 128 = 4.36 · 10^9 query elements (8.7 GB in bf16).
     let (batch, heads_q, heads_kv, seq, dim) = (520, 16, 2, 4096, 128);
-    // Burn's own kernels (random) index with 32 bits too: every tensor they see here
-    // stays under 2^32 elements, the inputs drawn in parts of 65 sequences. Only the attention op sees the whole batch.
+    // Burn's own kernels (random) index with 32 bits too: every tensor they see here stays
+    // under 2^32 elements, the inputs drawn in parts of 65 sequences. Only the attention op
+    // sees the whole batch.
     let part = 65;
     let random = |h: usize| {
         let parts = (0..batch / part)

@@ -912,13 +912,15 @@ fn kernels(
         if also_without && forwards[0].as_ref().is_ok_and(|c| c.warpgroup.is_some()) {
             forwards.push(register_mma_config(problem, &without_warpgroup));
         }
-        // A bias staged in shared memory, as the launcher runs a bias 16-byte copies read.
+        // A bias staged in shared memory, as the launcher runs a bias 16-byte copies read,
+        // and with one head's sequences side by side (`FLASH_BIAS_BATCH_INNER=1`).
         if terms.bias
             && let Some(staged) = forwards[0]
                 .as_ref()
                 .ok()
                 .and_then(|c| c.staging_bias(problem.dtype.size(), limits))
         {
+            forwards.push(Ok(staged));
             forwards.push(Ok(RegisterMmaConfig {
                 batch_inner: true,
                 ..staged
@@ -926,7 +928,9 @@ fn kernels(
         }
         for config in forwards {
             kernels.push((
-                if config.as_ref().is_ok_and(|c| c.bias_staged) {
+                if config.as_ref().is_ok_and(|c| c.batch_inner) {
+                    "forward_wgmma_staged_bias_batch_inner"
+                } else if config.as_ref().is_ok_and(|c| c.bias_staged) {
                     "forward_wgmma_staged_bias"
                 } else if config.as_ref().is_ok_and(|c| c.warpgroup.is_some()) {
                     "forward_wgmma"
