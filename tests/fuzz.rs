@@ -19,6 +19,12 @@
 //! - `FLASH_FUZZ_SEED=n`: the run's seed (printed first); the same seed on the same device
 //!   draws the same cases.
 //! - `FLASH_PATH` keeps one kernel path, as for the other kernel tests.
+//! - `FLASH_FUZZ_SHAPES=n`: up to `n` shapes per drawn case (default 1). The shapes after
+//!   the first keep the case's kernel variant (head dims, dtype, path, layout and options)
+//!   and draw the batch, heads and lengths anew (decode: batch, K/V heads, capacity and
+//!   lengths), so that on a GPU, where each new variant compiles its kernels, a long run
+//!   checks many shapes per compilation. Each shape is a case of its own against the
+//!   oracle; a failing one shrinks with the rest.
 
 use burn_flash_attention::kernels::loop_budget;
 use burn_flash_attention::kernels::{
@@ -46,6 +52,78 @@ struct Drawn {
     path: usize,
     layout: Layout,
     seed: u64,
+    /// More shapes run with the case's kernels (`FLASH_FUZZ_SHAPES`).
+    more: Vec<Shape>,
+}
+
+/// A shape drawn for a case's kernels: sequences, K/V heads, lengths and the inputs' seed
+/// (the GQA ratio and head dims stay the case's).
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    batch: usize,
+    heads_kv: usize,
+    seq_q: usize,
+    seq_kv: usize,
+    seed: u64,
+}
+
+impl Drawn {
+    /// The case, then the case with each of its other shapes.
+    fn shapes(&self) -> impl Iterator<Item = Drawn> + '_ {
+        let d = self.case.dims;
+        let group = d.heads_q / d.heads_kv;
+        std::iter::once(self.clone()).chain(self.more.iter().map(move |s| Drawn {
+            case: Case {
+                dims: dims(
+                    s.batch,
+                    s.heads_kv * group,
+                    s.heads_kv,
+                    s.seq_q,
+                    s.seq_kv,
+                    d.dim_qk,
+                    d.dim_v,
+                ),
+                ..self.case
+            },
+            seed: s.seed,
+            more: Vec::new(),
+            ..self.clone()
+        }))
+    }
+}
+
+/// Shapes drawn per case beyond the first (`FLASH_FUZZ_SHAPES − 1`).
+fn more_shapes() -> usize {
+    std::env::var("FLASH_FUZZ_SHAPES")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(0, |n| n.saturating_sub(1))
+}
+
+/// `(batch, heads_kv)` lowered, the larger first, until the oracle can afford the shape.
+fn within_work(
+    bounds: Bounds,
+    (mut batch, mut heads_kv): (usize, usize),
+    per_head_pair: usize,
+) -> (usize, usize) {
+    while batch * heads_kv * per_head_pair > bounds.work && batch * heads_kv > 1 {
+        if batch >= heads_kv {
+            batch -= 1;
+        } else {
+            heads_kv -= 1;
+        }
+    }
+    (batch, heads_kv)
+}
+
+fn other_shape(bounds: Bounds) -> impl Strategy<Value = (usize, usize, usize, usize, u64)> {
+    (
+        1..=bounds.batch,
+        1..=bounds.heads_kv,
+        seq_len(bounds.seq),
+        seq_len(bounds.seq),
+        any::<u64>(),
+    )
 }
 
 /// How large the drawn problems grow: the oracle runs them in f64 on the host.
@@ -137,7 +215,8 @@ fn drawn(bounds: Bounds) -> impl Strategy<Value = Drawn> {
         1 => Just(Layout::Bshd),
         1 => Just(Layout::PaddedRows),
     ];
-    (shape, options, 0..3usize, 0..3usize, layout, any::<u64>()).prop_map(
+    let more = proptest::collection::vec(other_shape(bounds), 0..=more_shapes());
+    (shape, options, 0..3usize, 0..3usize, layout, any::<u64>(), more).prop_map(
         move |(
             (batch, heads_kv, group, seq_q, seq_kv, dim_qk, dim_v),
             ((causal, window), softcap, scale, dropout, deterministic),
@@ -145,18 +224,12 @@ fn drawn(bounds: Bounds) -> impl Strategy<Value = Drawn> {
             path,
             layout,
             seed,
+            more,
         )| {
             let dim_v = dim_v.unwrap_or(dim_qk);
             // Fewer sequences and heads where the oracle's work would pass the bound.
-            let (mut batch, mut heads_kv) = (batch, heads_kv);
-            let work = |b: usize, h: usize| b * h * group * seq_q * seq_kv * (dim_qk + dim_v);
-            while work(batch, heads_kv) > bounds.work && batch * heads_kv > 1 {
-                if batch >= heads_kv {
-                    batch -= 1;
-                } else {
-                    heads_kv -= 1;
-                }
-            }
+            let work = |seq_q: usize, seq_kv: usize| group * seq_q * seq_kv * (dim_qk + dim_v);
+            let (batch, heads_kv) = within_work(bounds, (batch, heads_kv), work(seq_q, seq_kv));
             let dims = dims(
                 batch,
                 heads_kv * group,
@@ -166,6 +239,20 @@ fn drawn(bounds: Bounds) -> impl Strategy<Value = Drawn> {
                 dim_qk,
                 dim_v,
             );
+            let more = more
+                .into_iter()
+                .map(|(batch, heads_kv, seq_q, seq_kv, seed)| {
+                    let (batch, heads_kv) =
+                        within_work(bounds, (batch, heads_kv), work(seq_q, seq_kv));
+                    Shape {
+                        batch,
+                        heads_kv,
+                        seq_q,
+                        seq_kv,
+                        seed,
+                    }
+                })
+                .collect();
             Drawn {
                 case: Case {
                     causal,
@@ -180,6 +267,7 @@ fn drawn(bounds: Bounds) -> impl Strategy<Value = Drawn> {
                 path,
                 layout,
                 seed,
+                more,
             }
         },
     )
@@ -264,15 +352,22 @@ fn random_problems_match_the_oracle() {
     let limits = DeviceLimits::from_properties(client.properties());
     let bounds = bounds();
     fuzz(drawn(bounds), 16, |d| {
-        prop_assume!(affordable(&d, bounds));
-        let Some((dtype, path)) = dtype_and_path(&client, &limits, &d) else {
-            return Err(TestCaseError::reject("no path or past the loop budget"));
-        };
-        let rng = StdRng::seed_from_u64(d.seed);
-        // A path that refuses the problem on this device (a scale or size it does not
-        // take) draws another case; `Auto` takes such problems elsewhere.
-        let ran = check_case_seeded(&client, &d.case, dtype, d.layout, path, (d.seed, rng));
-        prop_assume!(ran.is_ok());
+        // The first shape decides whether the case runs; a later one the oracle or the
+        // driver's loop budget cannot afford, or that its path refuses, is left out.
+        for (n, d) in d.shapes().enumerate() {
+            let ran = affordable(&d, bounds)
+                .then(|| dtype_and_path(&client, &limits, &d))
+                .flatten()
+                .map(|(dtype, path)| {
+                    let rng = StdRng::seed_from_u64(d.seed);
+                    // A path that refuses the problem on this device (a scale or size it
+                    // does not take) draws another case; `Auto` takes such problems
+                    // elsewhere.
+                    check_case_seeded(&client, &d.case, dtype, d.layout, path, (d.seed, rng))
+                        .is_ok()
+                });
+            prop_assume!(n > 0 || ran == Some(true), "no path, past a budget or refused");
+        }
         Ok(())
     });
 }
@@ -349,13 +444,22 @@ fn random_problems_with_score_terms_match_the_oracle() {
     let limits = DeviceLimits::from_properties(client.properties());
     let bounds = bounds();
     fuzz(drawn_terms(bounds), 8, |t| {
-        prop_assume!(affordable(&t.drawn, bounds));
-        let Some((dtype, path)) = dtype_and_path(&client, &limits, &t.drawn) else {
-            return Err(TestCaseError::reject("no path or past the loop budget"));
-        };
-        let rng = StdRng::seed_from_u64(t.drawn.seed);
-        let ran = bias::check_seeded(&client, &t.terms_case(), dtype, path, (t.drawn.seed, rng));
-        prop_assume!(ran.is_ok());
+        // As the dense fuzzer's shapes: the first decides, later ones may be left out.
+        for (n, drawn) in t.drawn.shapes().enumerate() {
+            let t = DrawnTerms {
+                drawn,
+                ..t.clone()
+            };
+            let ran = affordable(&t.drawn, bounds)
+                .then(|| dtype_and_path(&client, &limits, &t.drawn))
+                .flatten()
+                .map(|(dtype, path)| {
+                    let seed = t.drawn.seed;
+                    let rng = StdRng::seed_from_u64(seed);
+                    bias::check_seeded(&client, &t.terms_case(), dtype, path, (seed, rng)).is_ok()
+                });
+            prop_assume!(n > 0 || ran == Some(true), "no path, past a budget or refused");
+        }
         Ok(())
     });
 }
@@ -381,6 +485,30 @@ struct DrawnDecode {
     dtype: usize,
     splits: Option<usize>,
     seed: u64,
+    /// More steps run with the same kernels (`FLASH_FUZZ_SHAPES`): batch, K/V heads,
+    /// capacity and the seed of the inputs and lengths.
+    more: Vec<(usize, usize, usize, u64)>,
+}
+
+impl DrawnDecode {
+    /// The step, then the step with each of its other shapes.
+    fn steps(&self) -> impl Iterator<Item = DrawnDecode> + '_ {
+        let group = self.serving.heads_q / self.serving.heads_kv;
+        std::iter::once(self.clone()).chain(self.more.iter().map(
+            move |&(batch, heads_kv, capacity, seed)| DrawnDecode {
+                serving: Serving {
+                    batch,
+                    heads_kv,
+                    heads_q: heads_kv * group,
+                    capacity,
+                    ..self.serving
+                },
+                seed,
+                more: Vec::new(),
+                ..self.clone()
+            },
+        ))
+    }
 }
 
 /// How large drawn decode steps grow (the oracle runs them in f64 on the host).
@@ -442,7 +570,16 @@ fn drawn_decode(bounds: DecodeBounds) -> impl Strategy<Value = DrawnDecode> {
         proptest::bool::weighted(0.3),
     );
     let splits = proptest::option::weighted(0.5, 1..=7usize);
-    (shape, cache, options, 0..3usize, splits, any::<u64>()).prop_map(
+    let more = proptest::collection::vec(
+        (
+            1..=bounds.batch,
+            1..=bounds.heads_kv,
+            1..=bounds.capacity,
+            any::<u64>(),
+        ),
+        0..=more_shapes(),
+    );
+    (shape, cache, options, 0..3usize, splits, any::<u64>(), more).prop_map(
         move |(
             (batch, heads_kv, group, s_q, capacity, dim_qk, dim_v),
             (page_size, append),
@@ -450,16 +587,28 @@ fn drawn_decode(bounds: DecodeBounds) -> impl Strategy<Value = DrawnDecode> {
             dtype,
             splits,
             seed,
+            more,
         )| {
-            // Room for the appended keys.
-            let capacity = capacity.max(if append { s_q } else { 1 });
             let dim_v = dim_v.unwrap_or(dim_qk);
-            // Fewer sequences where the oracle's work would pass the bound.
-            let work = |b: usize| b * heads_kv * group * s_q * capacity * (dim_qk + dim_v);
-            let mut batch = batch;
-            while batch > 1 && work(batch) > bounds.work {
-                batch -= 1;
-            }
+            // Room for the appended keys, and fewer sequences where the oracle's work would
+            // pass the bound.
+            let fit = |batch: usize, heads_kv: usize, capacity: usize| {
+                let capacity = capacity.max(if append { s_q } else { 1 });
+                let work = |b: usize| b * heads_kv * group * s_q * capacity * (dim_qk + dim_v);
+                let mut batch = batch;
+                while batch > 1 && work(batch) > bounds.work {
+                    batch -= 1;
+                }
+                (batch, capacity)
+            };
+            let (batch, capacity) = fit(batch, heads_kv, capacity);
+            let more = more
+                .into_iter()
+                .map(|(batch, heads_kv, capacity, seed)| {
+                    let (batch, capacity) = fit(batch, heads_kv, capacity);
+                    (batch, heads_kv, capacity, seed)
+                })
+                .collect();
             DrawnDecode {
                 serving: Serving {
                     batch,
@@ -481,6 +630,7 @@ fn drawn_decode(bounds: DecodeBounds) -> impl Strategy<Value = DrawnDecode> {
                 dtype,
                 splits,
                 seed,
+                more,
             }
         },
     )
@@ -494,26 +644,31 @@ fn random_decode_steps_match_the_oracle() {
         false => DECODE_GPU,
     };
     fuzz(drawn_decode(bounds), 8, |t| {
-        let s = t.serving;
-        prop_assume!(
-            s.batch * s.heads_q * s.s_q * s.capacity * (s.dim_qk + s.dim_v) <= bounds.work
-        );
-        let dtypes = common::dtypes(&client);
-        let dtype = dtypes[t.dtype % dtypes.len()];
-        let splits = t.splits.map_or(Splits::Auto, Splits::Exactly);
-        // Each sequence empty, holding one position, full, or in between.
-        let mut rng = StdRng::seed_from_u64(t.seed);
-        let most = s.capacity - s.s_new();
-        let lengths = (0..s.batch)
-            .map(|_| match rng.random_range(0..4) {
-                0 => 0,
-                1 => most.min(1),
-                2 => most,
-                _ => rng.random_range(0..=most),
-            })
-            .collect();
-        let ran = decode::check_seeded(&client, &s, dtype, lengths, splits, (t.seed, rng));
-        prop_assume!(ran.is_ok());
+        // The first step decides whether the case runs; a later one the oracle cannot
+        // afford, or that the kernels refuse, is left out.
+        for (n, t) in t.steps().enumerate() {
+            let s = t.serving;
+            let affordable =
+                s.batch * s.heads_q * s.s_q * s.capacity * (s.dim_qk + s.dim_v) <= bounds.work;
+            let ran = affordable.then(|| {
+                let dtypes = common::dtypes(&client);
+                let dtype = dtypes[t.dtype % dtypes.len()];
+                let splits = t.splits.map_or(Splits::Auto, Splits::Exactly);
+                // Each sequence empty, holding one position, full, or in between.
+                let mut rng = StdRng::seed_from_u64(t.seed);
+                let most = s.capacity - s.s_new();
+                let lengths = (0..s.batch)
+                    .map(|_| match rng.random_range(0..4) {
+                        0 => 0,
+                        1 => most.min(1),
+                        2 => most,
+                        _ => rng.random_range(0..=most),
+                    })
+                    .collect();
+                decode::check_seeded(&client, &s, dtype, lengths, splits, (t.seed, rng)).is_ok()
+            });
+            prop_assume!(n > 0 || ran == Some(true), "past the oracle's budget or refused");
+        }
         Ok(())
     });
 }

@@ -11,8 +11,9 @@
 # `register-mma` or `all`. Default: every kind on every path, two processes each for the
 # register-level path, whose cases compile the most kernels. Seeds are `FUZZ_SEED0` (default
 # the date) plus the process's number, so a run is drawn again by the same seeds. On a GPU
-# each case with new options compiles its kernels (15–30 s for a register-level case):
-# spread the run over the CPU cores rather than lengthening one process.
+# each case with new options compiles its kernels (15–30 s for a register-level case): each
+# drawn case runs `FLASH_FUZZ_SHAPES` shapes (default 24) with the same kernels, and the
+# processes spread over the CPU cores.
 set -u
 bin=${1:?usage: tools/fuzz_long.sh TEST_BINARY OUT_DIR SECONDS [JOB...]}
 out=${2:?usage: tools/fuzz_long.sh TEST_BINARY OUT_DIR SECONDS [JOB...]}
@@ -23,7 +24,7 @@ jobs=("$@")
   terms:portable terms:tensor-core terms:register-mma:2 decode:all:2)
 seed0=${FUZZ_SEED0:-$(date +%Y%m%d)000}
 mkdir -p "$out"
-export FLASH_DEVICE=${FLASH_DEVICE:-cuda}
+export FLASH_DEVICE=${FLASH_DEVICE:-cuda} FLASH_FUZZ_SHAPES=${FLASH_FUZZ_SHAPES:-24}
 
 n=0
 for job in "${jobs[@]}"; do

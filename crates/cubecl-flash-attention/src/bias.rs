@@ -26,7 +26,7 @@ use crate::error::FlashError;
 use crate::launch::DeviceTensor;
 use crate::mma_sync::Pair;
 use crate::problem::AttentionProblem;
-use crate::score_mod::{ScoreFn, add_f32, store_f32};
+use crate::score_mod::{ScoreFn, add_f32_at, store_f32};
 use crate::softmax::MASKED;
 use crate::tile::{COPY, SharedLayout, shared_offset};
 
@@ -433,11 +433,11 @@ impl BiasGradLine {
         ds: f32,
         #[comptime] terms: ScoreTerms,
     ) {
-        let cell = &dbias[self.offset + key * self.stride];
+        let at = self.offset + key * self.stride;
         if comptime!(terms.bias_grad_sums) {
-            add_f32(cell, ds);
+            add_f32_at(&mut dbias[at..at + 1], 0usize, ds);
         } else {
-            store_f32(cell, ds);
+            store_f32(&dbias[at], ds);
         }
     }
 }

@@ -127,7 +127,7 @@ fn has_cmma(props: &cubecl::prelude::DeviceProperties, dtype: FloatDtype) -> boo
     })
 }
 
-fn has_mma_sync(props: &cubecl::prelude::DeviceProperties, dtype: FloatDtype) -> bool {
+pub(crate) fn has_mma_sync(props: &cubecl::prelude::DeviceProperties, dtype: FloatDtype) -> bool {
     let elem = dtype.elem_type();
     let acc = FloatDtype::F32.elem_type();
     let matmul = &props.features.matmul;

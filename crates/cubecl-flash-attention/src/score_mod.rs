@@ -107,10 +107,55 @@ pub trait ScoreMod: Send + Sync + 'static {
     fn visible(at: &ScorePosition, params: &Tensor<f32>) -> bool;
 }
 
-/// Adds `value` to element `index` of a gradient, atomically ([`add_f32`]).
+/// Adds `value` to element `index` of a gradient, atomically ([`add_f32_at`]).
 #[cube]
 pub fn add_grad(grads: &mut [Atomic<f32>], index: usize, value: f32) {
-    add_f32(&grads[index], value);
+    add_f32_at(grads, index, value);
+}
+
+/// `cells[index] += value` on f32 gradient cells, atomically, the result unused: as
+/// [`add_f32`], but on CUDA sm_80+ by a reduction (`red`), which no unit waits on, where an
+/// atomic would return the old value into a register (`FLASH_GRAD_RED=0` keeps the atomic,
+/// for comparison).
+#[cube]
+pub fn add_f32_at<G: CubePrimitive>(cells: &mut [Atomic<G>], index: usize, value: f32) {
+    intrinsic!(|scope| {
+        if reduces_in_ptx(scope) {
+            red_f32::expand::<G>(scope, cells, index, value)
+        } else {
+            add_f32_indexed::expand::<G>(scope, cells, index, value)
+        }
+    })
+}
+
+#[cube]
+fn add_f32_indexed<G: CubePrimitive>(cells: &mut [Atomic<G>], index: usize, value: f32) {
+    add_f32(&cells[index], value);
+}
+
+/// `red.relaxed.gpu.global.add.f32` on `cells[index]` (bound as f32).
+#[cube]
+fn red_f32<G: CubePrimitive>(cells: &mut [Atomic<G>], index: usize, value: f32) {
+    let cell = &mut cells[index..index + 1];
+    let pointer = unsafe { cell.as_mut_ptr_unchecked() };
+    // A value of its own: a caller's mutable variable would reach the operand as its address.
+    let addend = f32::new(0.0) + value;
+    gpu_asm!(
+        "red.relaxed.gpu.global.add.f32 [{pointer}], {addend};",
+        pointer = in(_) pointer,
+        addend = in(_) addend,
+    );
+}
+
+/// Whether the kernel being expanded adds gradient cells by PTX reductions: CUDA sm_80+
+/// (the register-level instructions' mark) with native float atomics, unless
+/// `FLASH_GRAD_RED=0`.
+fn reduces_in_ptx(scope: &Scope) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("FLASH_GRAD_RED").is_ok_and(|v| v == "0"));
+    !off && scope.state().device_properties.as_ref().is_some_and(|props| {
+        float_atomics(props) && crate::config::has_mma_sync(props, crate::FloatDtype::F16)
+    })
 }
 
 /// `cell += value` on an f32 gradient cell, atomically: a native float atomic add where the
