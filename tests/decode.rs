@@ -532,12 +532,20 @@ fn check_sequences(
         );
         let got_out = &out[seq * dims.o_len()..][..dims.o_len()];
         let context = format!("sequence {seq} — {context}");
-        assert_close("O", got_out, &want.out, &low.out, 2e-5, &context);
+        assert_close(dtype, "O", got_out, &want.out, &low.out, 2e-5, &context);
         let Some(lse) = lse else {
             continue;
         };
         let got_lse = &lse[seq * dims.lse_len()..][..dims.lse_len()];
-        assert_close("LSE", got_lse, &want.lse, &low.lse, 2e-5, &context);
+        assert_close(
+            FloatDtype::F32,
+            "LSE",
+            got_lse,
+            &want.lse,
+            &low.lse,
+            2e-5,
+            &context,
+        );
         for (row, &l) in want.lse.iter().enumerate() {
             if l == f64::NEG_INFINITY {
                 assert_eq!(

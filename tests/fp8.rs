@@ -132,7 +132,15 @@ fn fp8_attention_is_attention_on_the_fp8_values() {
             &fp8[2],
         );
         let low = naive::attention(&case, FloatDtype::F32, &fp8[0], &fp8[1], &fp8[2], &x[3]);
-        assert_close("O", &got, &want.out, &low.out, 2e-5, &context);
+        assert_close(
+            FloatDtype::F32,
+            "O",
+            &got,
+            &want.out,
+            &low.out,
+            2e-5,
+            &context,
+        );
         // Against the exact inputs, the error is FP8's: bounded by its rounding (2^-4 of a
         // value) spread through the softmax, far above f32's.
         let exact = reference::forward(&case.dims, &case.reference_options(), &x[0], &x[1], &x[2]);
@@ -170,10 +178,42 @@ fn fp8_training_passes_the_gradients_straight_through() {
     let want = reference::forward(&case.dims, &opts, &fp8[0], &fp8[1], &fp8[2]);
     let grad = reference::backward(&case.dims, &opts, &fp8[0], &fp8[1], &fp8[2], &x[3]);
     let low = naive::attention(&case, FloatDtype::F32, &fp8[0], &fp8[1], &fp8[2], &x[3]);
-    assert_close("O", &got[0], &want.out, &low.out, 2e-5, &context);
-    assert_close("dQ", &got[1], &grad.dq, &low.dq, 1e-4, &context);
-    assert_close("dK", &got[2], &grad.dk, &low.dk, 1e-4, &context);
-    assert_close("dV", &got[3], &grad.dv, &low.dv, 1e-4, &context);
+    assert_close(
+        FloatDtype::F32,
+        "O",
+        &got[0],
+        &want.out,
+        &low.out,
+        2e-5,
+        &context,
+    );
+    assert_close(
+        FloatDtype::F32,
+        "dQ",
+        &got[1],
+        &grad.dq,
+        &low.dq,
+        1e-4,
+        &context,
+    );
+    assert_close(
+        FloatDtype::F32,
+        "dK",
+        &got[2],
+        &grad.dk,
+        &low.dk,
+        1e-4,
+        &context,
+    );
+    assert_close(
+        FloatDtype::F32,
+        "dV",
+        &got[3],
+        &grad.dv,
+        &low.dv,
+        1e-4,
+        &context,
+    );
     // The same call as the op on those values, where the op runs fused.
     let [fq, fk, fv] = [0, 1, 2].map(|i| tensor(&fp8[i], shape[i], &device));
     let direct = values(flash_attention(fq, fk, fv, options(&case)));

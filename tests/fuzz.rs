@@ -216,61 +216,70 @@ fn drawn(bounds: Bounds) -> impl Strategy<Value = Drawn> {
         1 => Just(Layout::PaddedRows),
     ];
     let more = proptest::collection::vec(other_shape(bounds), 0..=more_shapes());
-    (shape, options, 0..3usize, 0..3usize, layout, any::<u64>(), more).prop_map(
-        move |(
-            (batch, heads_kv, group, seq_q, seq_kv, dim_qk, dim_v),
-            ((causal, window), softcap, scale, dropout, deterministic),
-            dtype,
-            path,
-            layout,
-            seed,
-            more,
-        )| {
-            let dim_v = dim_v.unwrap_or(dim_qk);
-            // Fewer sequences and heads where the oracle's work would pass the bound.
-            let work = |seq_q: usize, seq_kv: usize| group * seq_q * seq_kv * (dim_qk + dim_v);
-            let (batch, heads_kv) = within_work(bounds, (batch, heads_kv), work(seq_q, seq_kv));
-            let dims = dims(
-                batch,
-                heads_kv * group,
-                heads_kv,
-                seq_q,
-                seq_kv,
-                dim_qk,
-                dim_v,
-            );
-            let more = more
-                .into_iter()
-                .map(|(batch, heads_kv, seq_q, seq_kv, seed)| {
-                    let (batch, heads_kv) =
-                        within_work(bounds, (batch, heads_kv), work(seq_q, seq_kv));
-                    Shape {
-                        batch,
-                        heads_kv,
-                        seq_q,
-                        seq_kv,
-                        seed,
-                    }
-                })
-                .collect();
-            Drawn {
-                case: Case {
-                    causal,
-                    window,
-                    softcap,
-                    scale,
-                    deterministic,
-                    dropout: dropout.map(|(p, seed, offset)| Dropout { p, seed, offset }),
-                    ..case(dims)
-                },
+    (
+        shape,
+        options,
+        0..3usize,
+        0..3usize,
+        layout,
+        any::<u64>(),
+        more,
+    )
+        .prop_map(
+            move |(
+                (batch, heads_kv, group, seq_q, seq_kv, dim_qk, dim_v),
+                ((causal, window), softcap, scale, dropout, deterministic),
                 dtype,
                 path,
                 layout,
                 seed,
                 more,
-            }
-        },
-    )
+            )| {
+                let dim_v = dim_v.unwrap_or(dim_qk);
+                // Fewer sequences and heads where the oracle's work would pass the bound.
+                let work = |seq_q: usize, seq_kv: usize| group * seq_q * seq_kv * (dim_qk + dim_v);
+                let (batch, heads_kv) = within_work(bounds, (batch, heads_kv), work(seq_q, seq_kv));
+                let dims = dims(
+                    batch,
+                    heads_kv * group,
+                    heads_kv,
+                    seq_q,
+                    seq_kv,
+                    dim_qk,
+                    dim_v,
+                );
+                let more = more
+                    .into_iter()
+                    .map(|(batch, heads_kv, seq_q, seq_kv, seed)| {
+                        let (batch, heads_kv) =
+                            within_work(bounds, (batch, heads_kv), work(seq_q, seq_kv));
+                        Shape {
+                            batch,
+                            heads_kv,
+                            seq_q,
+                            seq_kv,
+                            seed,
+                        }
+                    })
+                    .collect();
+                Drawn {
+                    case: Case {
+                        causal,
+                        window,
+                        softcap,
+                        scale,
+                        deterministic,
+                        dropout: dropout.map(|(p, seed, offset)| Dropout { p, seed, offset }),
+                        ..case(dims)
+                    },
+                    dtype,
+                    path,
+                    layout,
+                    seed,
+                    more,
+                }
+            },
+        )
 }
 
 /// The problem drawn, unless the oracle could not afford it (a single long sequence pair
@@ -366,7 +375,10 @@ fn random_problems_match_the_oracle() {
                     check_case_seeded(&client, &d.case, dtype, d.layout, path, (d.seed, rng))
                         .is_ok()
                 });
-            prop_assume!(n > 0 || ran == Some(true), "no path, past a budget or refused");
+            prop_assume!(
+                n > 0 || ran == Some(true),
+                "no path, past a budget or refused"
+            );
         }
         Ok(())
     });
@@ -446,10 +458,7 @@ fn random_problems_with_score_terms_match_the_oracle() {
     fuzz(drawn_terms(bounds), 8, |t| {
         // As the dense fuzzer's shapes: the first decides, later ones may be left out.
         for (n, drawn) in t.drawn.shapes().enumerate() {
-            let t = DrawnTerms {
-                drawn,
-                ..t.clone()
-            };
+            let t = DrawnTerms { drawn, ..t.clone() };
             let ran = affordable(&t.drawn, bounds)
                 .then(|| dtype_and_path(&client, &limits, &t.drawn))
                 .flatten()
@@ -458,7 +467,10 @@ fn random_problems_with_score_terms_match_the_oracle() {
                     let rng = StdRng::seed_from_u64(seed);
                     bias::check_seeded(&client, &t.terms_case(), dtype, path, (seed, rng)).is_ok()
                 });
-            prop_assume!(n > 0 || ran == Some(true), "no path, past a budget or refused");
+            prop_assume!(
+                n > 0 || ran == Some(true),
+                "no path, past a budget or refused"
+            );
         }
         Ok(())
     });
@@ -667,7 +679,10 @@ fn random_decode_steps_match_the_oracle() {
                     .collect();
                 decode::check_seeded(&client, &s, dtype, lengths, splits, (t.seed, rng)).is_ok()
             });
-            prop_assume!(n > 0 || ran == Some(true), "past the oracle's budget or refused");
+            prop_assume!(
+                n > 0 || ran == Some(true),
+                "past the oracle's budget or refused"
+            );
         }
         Ok(())
     });

@@ -149,9 +149,18 @@ pub(crate) fn check_case_seeded(
     }
     let got_out = download(client, &out, dtype);
     let got_lse = download(client, &lse, FloatDtype::F32);
-    assert_close("O", &got_out, &want.out, &low.out, 2e-5, &context);
-    assert_close("LSE", &got_lse, &want.lse, &low.lse, 2e-5, &context);
+    assert_close(dtype, "O", &got_out, &want.out, &low.out, 2e-5, &context);
     assert_close(
+        FloatDtype::F32,
+        "LSE",
+        &got_lse,
+        &want.lse,
+        &low.lse,
+        2e-5,
+        &context,
+    );
+    assert_close(
+        dtype,
         "dQ",
         &download(client, &grads.dq, dtype),
         &want_grads.dq,
@@ -160,6 +169,7 @@ pub(crate) fn check_case_seeded(
         &context,
     );
     assert_close(
+        dtype,
         "dK",
         &download(client, &grads.dk, dtype),
         &want_grads.dk,
@@ -168,6 +178,7 @@ pub(crate) fn check_case_seeded(
         &context,
     );
     assert_close(
+        dtype,
         "dV",
         &download(client, &grads.dv, dtype),
         &want_grads.dv,

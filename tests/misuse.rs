@@ -287,8 +287,8 @@ fn still_right(device: &Device, context: &str) {
     let zeros = vec![0.0; dims.o_len()];
     let low = naive::attention(&case, f, &x[0], &x[1], &x[2], &zeros);
     let context = format!("{context}, seed {seed}");
-    assert_close("O", &values(out), &want.out, &low.out, 2e-5, &context);
-    assert_close("LSE", &values(lse), &want.lse, &low.lse, 2e-5, &context);
+    assert_close(f, "O", &values(out), &want.out, &low.out, 2e-5, &context);
+    assert_close(f, "LSE", &values(lse), &want.lse, &low.lse, 2e-5, &context);
 }
 
 #[test]

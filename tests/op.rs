@@ -106,11 +106,51 @@ fn check_against_oracle(device: &Device, case: &Case, bshd: bool) {
     let want = reference::forward(&case.dims, &opts, &x[0], &x[1], &x[2]);
     let grads = reference::backward(&case.dims, &opts, &x[0], &x[1], &x[2], &x[3]);
     let low = naive::attention(case, FloatDtype::F32, &x[0], &x[1], &x[2], &x[3]);
-    assert_close("O", &got.out, &want.out, &low.out, 2e-5, &context);
-    assert_close("LSE", &got.lse, &want.lse, &low.lse, 2e-5, &context);
-    assert_close("dQ", &got.dq, &grads.dq, &low.dq, 1e-4, &context);
-    assert_close("dK", &got.dk, &grads.dk, &low.dk, 1e-4, &context);
-    assert_close("dV", &got.dv, &grads.dv, &low.dv, 1e-4, &context);
+    assert_close(
+        FloatDtype::F32,
+        "O",
+        &got.out,
+        &want.out,
+        &low.out,
+        2e-5,
+        &context,
+    );
+    assert_close(
+        FloatDtype::F32,
+        "LSE",
+        &got.lse,
+        &want.lse,
+        &low.lse,
+        2e-5,
+        &context,
+    );
+    assert_close(
+        FloatDtype::F32,
+        "dQ",
+        &got.dq,
+        &grads.dq,
+        &low.dq,
+        1e-4,
+        &context,
+    );
+    assert_close(
+        FloatDtype::F32,
+        "dK",
+        &got.dk,
+        &grads.dk,
+        &low.dk,
+        1e-4,
+        &context,
+    );
+    assert_close(
+        FloatDtype::F32,
+        "dV",
+        &got.dv,
+        &grads.dv,
+        &low.dv,
+        1e-4,
+        &context,
+    );
 }
 
 /// A batch of more (sequence, query head) pairs than one launch enumerates (65 535) runs in

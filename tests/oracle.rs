@@ -91,3 +91,19 @@ fn reference_matches_burn_attention_fallback() {
         );
     }
 }
+
+/// The tolerance rule's dtype floor ([`common::rounding_floor`]) is about two units in the
+/// last place of the values' magnitude: it lets a kernel round at other points than naive
+/// attention does, and no more (a value 1% off stays caught in f16 and f32).
+#[test]
+fn the_dtype_floor_is_a_few_units_in_the_last_place() {
+    let values = [0.84, -0.3, 1e-3, 0.0, f64::NEG_INFINITY];
+    let f16 = common::rounding_floor(&values, FloatDtype::F16);
+    let bf16 = common::rounding_floor(&values, FloatDtype::BF16);
+    let f32 = common::rounding_floor(&values, FloatDtype::F32);
+    // Units in the last place at 0.84 (0.84 + 0.3 crosses 1): 2^-11 in f16, 2^-8 in bf16.
+    assert!(f16 > 0.0 && f16 <= 4.0 * 2f64.powi(-10), "f16 floor {f16:e}");
+    assert!(bf16 > f16 && bf16 <= 4.0 * 2f64.powi(-7), "bf16 floor {bf16:e}");
+    assert!(f32 <= 4.0 * 2f64.powi(-23), "f32 floor {f32:e}");
+    assert!(0.01 * 0.84 > f16, "a 1% error at 0.84 passes the f16 floor");
+}

@@ -439,13 +439,45 @@ fn check(client: &Client, t: &FnCase, dtype: FloatDtype, path: KernelPath) {
     let got_out = download(client, &fwd.out, dtype);
     let got_lse = download(client, &fwd.lse, FloatDtype::F32);
     let got_dq = download(client, &grads.dq, dtype);
-    assert_close("O", &got_out, &want.out, &low.out, 2e-5, &context);
-    assert_close("LSE", &got_lse, &want.lse, &low.lse, 2e-5, &context);
-    assert_close("dQ", &got_dq, &want_grads.dq, &low.dq, 1e-4, &context);
+    assert_close(dtype, "O", &got_out, &want.out, &low.out, 2e-5, &context);
+    assert_close(
+        FloatDtype::F32,
+        "LSE",
+        &got_lse,
+        &want.lse,
+        &low.lse,
+        2e-5,
+        &context,
+    );
+    assert_close(
+        dtype,
+        "dQ",
+        &got_dq,
+        &want_grads.dq,
+        &low.dq,
+        1e-4,
+        &context,
+    );
     let got_dk = download(client, &grads.dk, dtype);
-    assert_close("dK", &got_dk, &want_grads.dk, &low.dk, 1e-4, &context);
+    assert_close(
+        dtype,
+        "dK",
+        &got_dk,
+        &want_grads.dk,
+        &low.dk,
+        1e-4,
+        &context,
+    );
     let got_dv = download(client, &grads.dv, dtype);
-    assert_close("dV", &got_dv, &want_grads.dv, &low.dv, 1e-4, &context);
+    assert_close(
+        dtype,
+        "dV",
+        &got_dv,
+        &want_grads.dv,
+        &low.dv,
+        1e-4,
+        &context,
+    );
     if t.bias {
         let got = download(
             client,
@@ -465,7 +497,7 @@ fn check(client: &Client, t: &FnCase, dtype: FloatDtype, path: KernelPath) {
                 g * (host.grad)(0.0, [b, h, i, j])
             })
             .collect();
-        assert_close("dBias", &got, want, &low_db, 1e-4, &context);
+        assert_close(dtype, "dBias", &got, want, &low_db, 1e-4, &context);
     }
     match (t.learn, &of_terms.score_params) {
         (true, Some(dp)) => {

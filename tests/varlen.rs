@@ -322,10 +322,19 @@ fn check_packed_terms(
     let low = expected(p, dtype, &q, &k, &v, &d_out, terms.as_ref(), false);
     if let Some(dbias) = &dbias {
         let got = download(client, dbias, FloatDtype::F32);
-        assert_close("dBias", &got, &want.dbias, &low.dbias, 1e-4, &context);
+        assert_close(
+            dtype,
+            "dBias",
+            &got,
+            &want.dbias,
+            &low.dbias,
+            1e-4,
+            &context,
+        );
     }
     let got_lse = download(client, &lse, FloatDtype::F32);
     assert_close(
+        dtype,
         "O",
         &download(client, &out, dtype),
         &want.out,
@@ -333,13 +342,22 @@ fn check_packed_terms(
         2e-5,
         &context,
     );
-    assert_close("LSE", &got_lse, &want.lse, &low.lse, 2e-5, &context);
+    assert_close(
+        FloatDtype::F32,
+        "LSE",
+        &got_lse,
+        &want.lse,
+        &low.lse,
+        2e-5,
+        &context,
+    );
     for (name, got, want, low) in [
         ("dQ", &grads.dq, &want.dq, &low.dq),
         ("dK", &grads.dk, &want.dk, &low.dk),
         ("dV", &grads.dv, &want.dv, &low.dv),
     ] {
         assert_close(
+            dtype,
             name,
             &download(client, got, dtype),
             want,

@@ -153,9 +153,13 @@ fn red_f32<G: CubePrimitive>(cells: &mut [Atomic<G>], index: usize, value: f32) 
 fn reduces_in_ptx(scope: &Scope) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("FLASH_GRAD_RED").is_ok_and(|v| v == "0"));
-    !off && scope.state().device_properties.as_ref().is_some_and(|props| {
-        float_atomics(props) && crate::config::has_mma_sync(props, crate::FloatDtype::F16)
-    })
+    !off && scope
+        .state()
+        .device_properties
+        .as_ref()
+        .is_some_and(|props| {
+            float_atomics(props) && crate::config::has_mma_sync(props, crate::FloatDtype::F16)
+        })
 }
 
 /// `cell += value` on an f32 gradient cell, atomically: a native float atomic add where the
