@@ -9,7 +9,9 @@ use burn_flash_attention::{
 };
 use float8::F8E4M3;
 
-use crate::common::{self, Case, assert_close, case, dims, naive, tensor, values};
+use crate::common::{
+    self, Case, assert_close, assert_grads_close, case, dims, naive, tensor, values,
+};
 
 /// Largest E4M3 magnitude: quantization maps a block's largest magnitude to it.
 const E4M3_MAX: f64 = 448.0;
@@ -187,31 +189,11 @@ fn fp8_training_passes_the_gradients_straight_through() {
         2e-5,
         &context,
     );
-    assert_close(
+    assert_grads_close(
         FloatDtype::F32,
-        "dQ",
-        &got[1],
-        &grad.dq,
-        &low.dq,
-        1e-4,
-        &context,
-    );
-    assert_close(
-        FloatDtype::F32,
-        "dK",
-        &got[2],
-        &grad.dk,
-        &low.dk,
-        1e-4,
-        &context,
-    );
-    assert_close(
-        FloatDtype::F32,
-        "dV",
-        &got[3],
-        &grad.dv,
-        &low.dv,
-        1e-4,
+        [&got[1], &got[2], &got[3]],
+        &grad,
+        &low,
         &context,
     );
     // The same call as the op on those values, where the op runs fused.

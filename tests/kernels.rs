@@ -11,7 +11,8 @@ use burn_flash_attention::kernels::{
 use cubecl::client::Client;
 
 use crate::common::{
-    self, Case, assert_close, download, naive, poisoned, upload, upload_bshd, upload_padded_rows,
+    self, Case, assert_forward_close, assert_grads_close, download, naive, poisoned, upload,
+    upload_bshd, upload_padded_rows,
 };
 
 struct Inputs {
@@ -149,41 +150,13 @@ pub(crate) fn check_case_seeded(
     }
     let got_out = download(client, &out, dtype);
     let got_lse = download(client, &lse, FloatDtype::F32);
-    assert_close(dtype, "O", &got_out, &want.out, &low.out, 2e-5, &context);
-    assert_close(
-        FloatDtype::F32,
-        "LSE",
-        &got_lse,
-        &want.lse,
-        &low.lse,
-        2e-5,
-        &context,
-    );
-    assert_close(
+    let grads = [&grads.dq, &grads.dk, &grads.dv].map(|t| download(client, t, dtype));
+    assert_forward_close(dtype, (&got_out, &got_lse), &want, &low, &context);
+    assert_grads_close(
         dtype,
-        "dQ",
-        &download(client, &grads.dq, dtype),
-        &want_grads.dq,
-        &low.dq,
-        1e-4,
-        &context,
-    );
-    assert_close(
-        dtype,
-        "dK",
-        &download(client, &grads.dk, dtype),
-        &want_grads.dk,
-        &low.dk,
-        1e-4,
-        &context,
-    );
-    assert_close(
-        dtype,
-        "dV",
-        &download(client, &grads.dv, dtype),
-        &want_grads.dv,
-        &low.dv,
-        1e-4,
+        grads.each_ref().map(|g| &g[..]),
+        &want_grads,
+        &low,
         &context,
     );
 

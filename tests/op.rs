@@ -8,7 +8,7 @@ use burn_flash_attention::{
     flash_attention_with_lse, supports_flash_attention,
 };
 
-use crate::common::{self, Case, assert_close, naive};
+use crate::common::{self, Case, assert_forward_close, assert_grads_close, naive};
 
 fn tensor(data: &[f64], shape: [usize; 4], device: &Device) -> Tensor<4> {
     let data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
@@ -106,51 +106,9 @@ fn check_against_oracle(device: &Device, case: &Case, bshd: bool) {
     let want = reference::forward(&case.dims, &opts, &x[0], &x[1], &x[2]);
     let grads = reference::backward(&case.dims, &opts, &x[0], &x[1], &x[2], &x[3]);
     let low = naive::attention(case, FloatDtype::F32, &x[0], &x[1], &x[2], &x[3]);
-    assert_close(
-        FloatDtype::F32,
-        "O",
-        &got.out,
-        &want.out,
-        &low.out,
-        2e-5,
-        &context,
-    );
-    assert_close(
-        FloatDtype::F32,
-        "LSE",
-        &got.lse,
-        &want.lse,
-        &low.lse,
-        2e-5,
-        &context,
-    );
-    assert_close(
-        FloatDtype::F32,
-        "dQ",
-        &got.dq,
-        &grads.dq,
-        &low.dq,
-        1e-4,
-        &context,
-    );
-    assert_close(
-        FloatDtype::F32,
-        "dK",
-        &got.dk,
-        &grads.dk,
-        &low.dk,
-        1e-4,
-        &context,
-    );
-    assert_close(
-        FloatDtype::F32,
-        "dV",
-        &got.dv,
-        &grads.dv,
-        &low.dv,
-        1e-4,
-        &context,
-    );
+    let f32 = FloatDtype::F32;
+    assert_forward_close(f32, (&got.out, &got.lse), &want, &low, &context);
+    assert_grads_close(f32, [&got.dq, &got.dk, &got.dv], &grads, &low, &context);
 }
 
 /// A batch of more (sequence, query head) pairs than one launch enumerates (65 535) runs in

@@ -102,8 +102,14 @@ fn the_dtype_floor_is_a_few_units_in_the_last_place() {
     let bf16 = common::rounding_floor(&values, FloatDtype::BF16);
     let f32 = common::rounding_floor(&values, FloatDtype::F32);
     // Units in the last place at 0.84 (0.84 + 0.3 crosses 1): 2^-11 in f16, 2^-8 in bf16.
-    assert!(f16 > 0.0 && f16 <= 4.0 * 2f64.powi(-10), "f16 floor {f16:e}");
-    assert!(bf16 > f16 && bf16 <= 4.0 * 2f64.powi(-7), "bf16 floor {bf16:e}");
+    assert!(
+        f16 > 0.0 && f16 <= 4.0 * 2f64.powi(-10),
+        "f16 floor {f16:e}"
+    );
+    assert!(
+        bf16 > f16 && bf16 <= 4.0 * 2f64.powi(-7),
+        "bf16 floor {bf16:e}"
+    );
     assert!(f32 <= 4.0 * 2f64.powi(-23), "f32 floor {f32:e}");
     assert!(0.01 * 0.84 > f16, "a 1% error at 0.84 passes the f16 floor");
 }

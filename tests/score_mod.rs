@@ -21,7 +21,8 @@ use cubecl::prelude::*;
 use rand::Rng;
 
 use crate::common::{
-    self, Case, assert_close, case, dims, download, naive, poisoned, tensor, upload, values,
+    self, Case, assert_close, assert_forward_close, assert_grads_close, case, dims, download,
+    naive, poisoned, tensor, upload, values,
 };
 
 /// Distances `key − query` (queries aligned to the end of the keys) are clipped to
@@ -438,44 +439,14 @@ fn check(client: &Client, t: &FnCase, dtype: FloatDtype, path: KernelPath) {
 
     let got_out = download(client, &fwd.out, dtype);
     let got_lse = download(client, &fwd.lse, FloatDtype::F32);
-    let got_dq = download(client, &grads.dq, dtype);
-    assert_close(dtype, "O", &got_out, &want.out, &low.out, 2e-5, &context);
-    assert_close(
-        FloatDtype::F32,
-        "LSE",
-        &got_lse,
-        &want.lse,
-        &low.lse,
-        2e-5,
-        &context,
-    );
-    assert_close(
+    let [got_dq, got_dk, got_dv] =
+        [&grads.dq, &grads.dk, &grads.dv].map(|t| download(client, t, dtype));
+    assert_forward_close(dtype, (&got_out, &got_lse), &want, &low, &context);
+    assert_grads_close(
         dtype,
-        "dQ",
-        &got_dq,
-        &want_grads.dq,
-        &low.dq,
-        1e-4,
-        &context,
-    );
-    let got_dk = download(client, &grads.dk, dtype);
-    assert_close(
-        dtype,
-        "dK",
-        &got_dk,
-        &want_grads.dk,
-        &low.dk,
-        1e-4,
-        &context,
-    );
-    let got_dv = download(client, &grads.dv, dtype);
-    assert_close(
-        dtype,
-        "dV",
-        &got_dv,
-        &want_grads.dv,
-        &low.dv,
-        1e-4,
+        [&got_dq, &got_dk, &got_dv],
+        &want_grads,
+        &low,
         &context,
     );
     if t.bias {

@@ -4,7 +4,8 @@
 pub mod naive;
 
 use burn_flash_attention::kernels::{
-    DeviceLimits, DeviceTensor, FloatDtype, KernelPath, reference::Dims,
+    DeviceLimits, DeviceTensor, FloatDtype, KernelPath,
+    reference::{self, Dims},
 };
 use cubecl::prelude::*;
 use rand::{SeedableRng, rngs::StdRng};
@@ -518,6 +519,39 @@ pub fn assert_close(
         want[worst],
         naive[worst]
     );
+}
+
+/// The forward's results by the tolerance rule: `O` in `dtype`, `LSE` (computed in f32).
+pub fn assert_forward_close(
+    dtype: FloatDtype,
+    (out, lse): (&[f64], &[f64]),
+    want: &reference::ReferenceForward,
+    naive: &naive::Naive,
+    context: &str,
+) {
+    assert_close(dtype, "O", out, &want.out, &naive.out, 2e-5, context);
+    assert_close(
+        FloatDtype::F32,
+        "LSE",
+        lse,
+        &want.lse,
+        &naive.lse,
+        2e-5,
+        context,
+    );
+}
+
+/// `dQ`, `dK` and `dV` in `dtype` by the tolerance rule.
+pub fn assert_grads_close(
+    dtype: FloatDtype,
+    [dq, dk, dv]: [&[f64]; 3],
+    want: &reference::ReferenceBackward,
+    naive: &naive::Naive,
+    context: &str,
+) {
+    assert_close(dtype, "dQ", dq, &want.dq, &naive.dq, 1e-4, context);
+    assert_close(dtype, "dK", dk, &want.dk, &naive.dk, 1e-4, context);
+    assert_close(dtype, "dV", dv, &want.dv, &naive.dv, 1e-4, context);
 }
 
 /// [`assert_close`] for values that are each a sum of many scores' contributions (a score
