@@ -4,7 +4,6 @@
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Tensor};
 use cubecl_flash_attention::launch::MAX_SPAN;
-use cubecl_flash_attention::problem::MAX_BATCH_HEADS;
 use cubecl_flash_attention::{AttentionProblem, DeviceLimits, FloatDtype, loop_budget};
 
 use crate::fallback;
@@ -27,9 +26,9 @@ use crate::options::FlashAttentionOptions;
 /// (lavapipe) for problems whose kernels would pass its loop budget (see the kernels'
 /// `loop_budget`), with the `[s_q, s_kv]` scores in memory.
 ///
-/// The kernels address at most 2^32 − 1 elements of a tensor, and a launch enumerates at
-/// most 65535 (sequence, query head) pairs: a batch past either runs as several calls of
-/// fewer sequences each, their outputs (and, under autodiff, gradients) concatenated.
+/// The kernels address at most 2^32 − 1 elements of a tensor: a batch past that runs as
+/// several calls of fewer sequences each, their outputs (and, under autodiff, gradients)
+/// concatenated.
 ///
 /// # Panics
 /// On mismatched shapes, head counts, dtypes or devices, with a message naming the argument;
@@ -54,21 +53,6 @@ pub fn flash_attention_with_lse(
     v: Tensor<4>,
     options: FlashAttentionOptions,
 ) -> (Tensor<4>, Tensor<3>) {
-    let [batch, heads_q, ..] = q.dims();
-    if batch * heads_q > MAX_BATCH_HEADS && heads_q <= MAX_BATCH_HEADS {
-        // More (sequence, head) pairs than a launch grid enumerates: the call is checked on
-        // its first sequence (the batches compared here), then runs in parts.
-        for (arg, t) in [("k", &k), ("v", &v)] {
-            let t_batch = t.dims()[0];
-            assert_eq!(
-                t_batch, batch,
-                "flash_attention: `{arg}` has batch {t_batch}, expected {batch} (the batch of `q`)"
-            );
-        }
-        let [q1, k1, v1] = [&q, &k, &v].map(|t| t.clone().slice([0..1]));
-        validate(&q1, &k1, &v1, &options);
-        return in_parts(q, k, v, options, MAX_BATCH_HEADS / heads_q);
-    }
     let problem = validate(&q, &k, &v, &options);
     if !fused_kernels_take(&q.device(), &problem) {
         return fallback::attention(q, k, v, &options);
@@ -98,9 +82,8 @@ fn in_parts(
     assert!(
         options.dropout.is_none_or(|d| !d.is_active()),
         "flash_attention: `dropout` in a batch of {batch} sequences, which runs as calls of \
-         {chunk} (past 2^32 − 1 elements a tensor or {MAX_BATCH_HEADS} (sequence, head) pairs \
-         a launch): each call would draw the masks of the first sequences again; split the \
-         batch and give each part its own offset"
+         {chunk} (past 2^32 − 1 elements a tensor): each call would draw the masks of the \
+         first sequences again; split the batch and give each part its own offset"
     );
     let (outs, lses): (Vec<_>, Vec<_>) = (0..batch)
         .step_by(chunk)

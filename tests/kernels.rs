@@ -207,6 +207,28 @@ fn forward_and_backward_match_the_oracle() {
     }
 }
 
+/// More (batch, head) pairs than one grid dimension holds (65 535: the training kernels
+/// spread them over two) and more query rows than the backward's `D` kernel fits in one
+/// (over 2^20: its cubes spread over the grid as CubeCL lays elements out); a WebGPU device
+/// refused both launches before. f32 on a CPU driver, every dtype and path on a GPU.
+#[test]
+fn launches_past_one_grid_dimension_match_the_oracle() {
+    let client = common::client();
+    // 2 · 32 769 = 65 538 pairs of 17 queries: 1 114 146 rows.
+    let case = Case {
+        causal: true,
+        ..common::case(common::dims(2, 32769, 32769, 17, 3, 8, 8))
+    };
+    for dtype in common::dtypes(&client) {
+        if common::is_cpu_device() && dtype != FloatDtype::F32 {
+            continue;
+        }
+        for path in common::paths(&client, dtype) {
+            check_case(&client, &case, dtype, Layout::Contiguous, path);
+        }
+    }
+}
+
 /// The register-level path's deterministic backward (dQ in its own pass instead of by
 /// atomics, which the default takes) against the oracle, every catalogue problem it runs.
 #[test]

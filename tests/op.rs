@@ -1,11 +1,11 @@
 //! The Burn op: forward and autodiff gradients against the oracle on the selected device,
 //! the composed fallback on Flex against the fused op, misuse messages, and the module.
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Bool, Device, Tensor, TensorData};
 use burn_flash_attention::kernels::{FloatDtype, reference};
 use burn_flash_attention::{
-    FlashAttentionOptions, FlashMultiHeadAttentionConfig, flash_attention,
-    flash_attention_with_lse, supports_flash_attention,
+    AttentionBias, FlashAttentionOptions, FlashMultiHeadAttentionConfig, flash_attention,
+    flash_attention_biased, flash_attention_with_lse, supports_flash_attention,
 };
 
 use crate::common::{self, Case, assert_forward_close, assert_grads_close, naive};
@@ -111,13 +111,14 @@ fn check_against_oracle(device: &Device, case: &Case, bshd: bool) {
     assert_grads_close(f32, [&got.dq, &got.dk, &got.dv], &grads, &low, &context);
 }
 
-/// A batch of more (sequence, query head) pairs than one launch enumerates (65 535) runs in
-/// parts: outputs and gradients of sequences on both sides of the first part's end equal
-/// those of the same sequences run alone.
+/// A batch of more (sequence, query head) pairs than one grid dimension holds (65 535): the
+/// kernels spread the pairs over two. Outputs and gradients of sequences on both sides of
+/// the first dimension's end equal those of the same sequences run alone, plain and with
+/// per-sequence terms (a key padding mask and ALiBi slopes per sequence).
 #[test]
-fn batches_past_the_launch_grid_run_in_parts() {
+fn batches_past_one_grid_dimension_match_their_sequences_alone() {
     let device = common::burn_device().autodiff();
-    // 4100 · 16 = 65 600 pairs: parts of 4095 sequences.
+    // 4100 · 16 = 65 600 pairs: the pairs of sequences 4095 and on lie past 65 535.
     let (batch, heads_q, heads_kv, s_q, s_kv, d) = (4100, 16, 4, 2, 3, 8);
     let (seed, mut rng) = common::rng();
     let shapes = [
@@ -129,34 +130,51 @@ fn batches_past_the_launch_grid_run_in_parts() {
         let x = common::randn(&mut rng, shape.iter().product(), FloatDtype::F32);
         tensor(&x, shape, &device).require_grad()
     });
+    // Odd sequences hide their last key; slopes differ per sequence and head.
+    let padding: Vec<bool> = (0..batch * s_kv)
+        .map(|n| n / s_kv % 2 == 1 && n % s_kv == s_kv - 1)
+        .collect();
+    let padding = Tensor::<2, Bool>::from_data(TensorData::new(padding, [batch, s_kv]), &device);
+    let slopes: Vec<f32> = (0..batch * heads_q)
+        .map(|n| 0.25 + (n % 7) as f32 / 8.0)
+        .collect();
+    let slopes = Tensor::<2>::from_data(TensorData::new(slopes, [batch, heads_q]), &device);
     let options = FlashAttentionOptions::default().with_causal(true);
-    let out = flash_attention(q.clone(), k.clone(), v.clone(), options);
-    let grads = out.clone().sum().backward();
     let tail = 4090..batch;
-    let pick = |t: Tensor<4>| values(t.slice([tail.clone()]));
-    let got = [
-        pick(out),
-        pick(q.grad(&grads).unwrap()),
-        pick(k.grad(&grads).unwrap()),
-        pick(v.grad(&grads).unwrap()),
-    ];
-    let [q1, k1, v1] =
-        [&q, &k, &v].map(|t| t.clone().slice([tail.clone()]).detach().require_grad());
-    let out1 = flash_attention(q1.clone(), k1.clone(), v1.clone(), options);
-    let grads1 = out1.clone().sum().backward();
-    let want = [
-        values(out1),
-        values(q1.grad(&grads1).unwrap()),
-        values(k1.grad(&grads1).unwrap()),
-        values(v1.grad(&grads1).unwrap()),
-    ];
-    for (name, (g, w)) in ["O", "dQ", "dK", "dV"].iter().zip(got.iter().zip(&want)) {
-        let err = common::max_abs_diff(g, w);
-        let scale = w.iter().fold(1.0f64, |m, x| m.max(x.abs()));
-        assert!(
-            err <= 1e-5 * scale,
-            "{name} of sequences {tail:?} is off by {err} from them run alone (seed {seed})"
-        );
+    for terms in [false, true] {
+        // Attention of the sequences `range`, their outputs and gradients.
+        let run = |range: std::ops::Range<usize>, [q, k, v]: [Tensor<4>; 3]| {
+            let out = match terms {
+                false => flash_attention(q.clone(), k.clone(), v.clone(), options),
+                true => {
+                    let bias = AttentionBias::new()
+                        .with_key_padding(padding.clone().slice([range.clone()]))
+                        .with_alibi(slopes.clone().slice([range.clone()]));
+                    flash_attention_biased(q.clone(), k.clone(), v.clone(), bias, options)
+                }
+            };
+            let grads = out.clone().sum().backward();
+            let pick =
+                |t: Tensor<4>| values(t.slice([tail.start - range.start..tail.end - range.start]));
+            [
+                pick(out),
+                pick(q.grad(&grads).unwrap()),
+                pick(k.grad(&grads).unwrap()),
+                pick(v.grad(&grads).unwrap()),
+            ]
+        };
+        let got = run(0..batch, [q.clone(), k.clone(), v.clone()]);
+        let alone = [&q, &k, &v].map(|t| t.clone().slice([tail.clone()]).detach().require_grad());
+        let want = run(tail.clone(), alone);
+        for (name, (g, w)) in ["O", "dQ", "dK", "dV"].iter().zip(got.iter().zip(&want)) {
+            let err = common::max_abs_diff(g, w);
+            let scale = w.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+            assert!(
+                err <= 1e-5 * scale,
+                "{name} of sequences {tail:?} (terms: {terms}) is off by {err} from them run \
+                 alone (seed {seed})"
+            );
+        }
     }
 }
 

@@ -212,11 +212,23 @@ pub(crate) fn grid(
     batch: usize,
     heads: usize,
 ) -> (CubeCount, CubeDim) {
-    let blocks = seq.div_ceil(config.block_rows) as u32;
     (
-        CubeCount::Static(blocks, (batch * heads) as u32, 1),
+        blocks_by_pairs(seq.div_ceil(config.block_rows), batch * heads),
         CubeDim::new_1d(config.block_rows as u32),
     )
+}
+
+/// Cubes in a grid dimension: CUDA, HIP and WebGPU all take at least this many along Y and Z.
+pub(crate) const GRID_DIM: usize = u16::MAX as usize;
+
+/// The launch of the training kernels: `blocks` cubes along X (a sequence's blocks) for each
+/// of `pairs` (batch, head) pairs, the pairs along Y and, past [`GRID_DIM`], Z as well
+/// (`pairs = y · z` or a few less; [`crate::tile::batch_head_index`] reads them back, and a
+/// cube past the last pair ends at once). [`AttentionProblem`] keeps `pairs` within
+/// `GRID_DIM²`.
+pub(crate) fn blocks_by_pairs(blocks: usize, pairs: usize) -> CubeCount {
+    let z = pairs.div_ceil(GRID_DIM).max(1);
+    CubeCount::Static(blocks as u32, pairs.div_ceil(z) as u32, z as u32)
 }
 
 /// Whether every row of `t` starts on a 16-byte boundary and is contiguous.

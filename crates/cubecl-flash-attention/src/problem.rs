@@ -8,8 +8,9 @@ use serde::{Deserialize, Serialize};
 /// Largest head dimension the kernels take.
 pub const MAX_HEAD_DIM: usize = 256;
 /// Largest batch · query heads of a problem: the kernels' launch grids enumerate them along
-/// one dimension, at most 65535 cubes on CUDA, HIP and WebGPU.
-pub const MAX_BATCH_HEADS: usize = 65535;
+/// two dimensions (Y, then Z), each at most 65535 cubes on CUDA, HIP and WebGPU. (The decode
+/// kernels enumerate batch · K/V heads along one and check their own bound.)
+pub const MAX_BATCH_HEADS: usize = 65535 * 65535;
 
 /// Floating-point type of Q, K, V, O and the gradients. Accumulation is always f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -132,7 +133,7 @@ impl AttentionProblem {
                 });
             }
         }
-        // Kernels enumerate batch·heads along the second dimension of their launch grid.
+        // Kernels enumerate batch·heads along the second and third dimensions of their grid.
         if batch * heads_q > MAX_BATCH_HEADS {
             return Err(shape_err(
                 "query",

@@ -33,7 +33,9 @@ pub struct Sequence {
 #[cube]
 impl Sequence {
     /// Sequence `batch`: of a dense batch (the lengths of `q` and `k`), or with `packed` the
-    /// one `cu_seqlens_q`/`cu_seqlens_kv` delimit.
+    /// one `cu_seqlens_q`/`cu_seqlens_kv` delimit. Past the last sequence (a cube of a launch
+    /// whose grid holds more (batch, head) pairs than there are, see
+    /// [`crate::tile::batch_head_index`]) it is empty: the kernels' first check ends the cube.
     pub fn of<F: Float>(
         batch: usize,
         q: &Tensor<F>,
@@ -50,7 +52,15 @@ impl Sequence {
             seq_q: q.shape(2),
             seq_kv: k.shape(2),
         };
-        if comptime!(packed) {
+        let count = if comptime!(packed) {
+            cu_seqlens_q.len() - 1
+        } else {
+            q.shape(0)
+        };
+        if batch >= count {
+            sequence.seq_q = 0;
+            sequence.seq_kv = 0;
+        } else if comptime!(packed) {
             let q_first = usize::cast_from(cu_seqlens_q[batch]);
             let kv_first = usize::cast_from(cu_seqlens_kv[batch]);
             sequence.batch = 0;

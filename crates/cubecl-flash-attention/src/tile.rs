@@ -10,7 +10,8 @@
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
-/// The (batch, query head, key/value head) of the cube; `CUBE_POS_Y` enumerates batch·heads.
+/// The (batch, query head, key/value head) of the cube; the launch enumerates batch·heads
+/// along Y, then Z ([`batch_head_index`]).
 #[derive(CubeType, Clone, Copy)]
 pub struct Head {
     pub batch: usize,
@@ -22,12 +23,13 @@ pub struct Head {
 impl Head {
     /// For kernels with one cube per query head.
     pub fn from_cube(heads_q: usize, heads_kv: usize) -> Head {
-        Head::from_index(CUBE_POS_Y as usize, heads_q, heads_kv)
+        Head::from_index(batch_head_index(), heads_q, heads_kv)
     }
 
     /// For kernels with one cube per query head, `batch_inner`: the cubes of one head's
-    /// `batches` sequences neighbours in the launch (`CUBE_POS_Y` enumerates heads·batch),
-    /// so that those running together read a tensor broadcast over the batch once.
+    /// `batches` sequences neighbours in the launch (the launch enumerates heads·batch), so
+    /// that those running together read a tensor broadcast over the batch once. A cube past
+    /// the last pair gets batch `batches` (see [`Sequence::of`](crate::sequence::Sequence)).
     pub fn from_cube_batch_inner(
         heads_q: usize,
         heads_kv: usize,
@@ -36,9 +38,13 @@ impl Head {
     ) -> Head {
         let mut head = Head::from_cube(heads_q, heads_kv);
         if comptime!(batch_inner) {
-            let index = CUBE_POS_Y as usize;
+            let index = batch_head_index();
             head.batch = index % batches;
             head.head_q = index / batches;
+            if head.head_q >= heads_q {
+                head.batch = batches;
+                head.head_q = 0;
+            }
             head.head_kv = head.head_q / (heads_q / heads_kv);
         }
         head
@@ -53,6 +59,14 @@ impl Head {
             head_kv: head_q / (heads_q / heads_kv),
         }
     }
+}
+
+/// The cube's (batch, head) pair: launches enumerate the pairs along Y, then Z, as
+/// [`crate::launch::blocks_by_pairs`] lays them out (a grid dimension holds at most 65535
+/// cubes). A cube past the last pair finds its sequence empty ([`crate::sequence::Sequence::of`]).
+#[cube]
+pub fn batch_head_index() -> usize {
+    CUBE_POS_Y as usize + CUBE_POS_Z as usize * CUBE_COUNT_Y as usize
 }
 
 /// Where the rows of a `[batch, heads, seq, ·]` tensor (or a `[batch, heads, seq]` vector)

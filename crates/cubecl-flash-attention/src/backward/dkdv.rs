@@ -17,8 +17,8 @@ use crate::score::{score, score_grad};
 use crate::score_mod::ScoreCall;
 use crate::sequence::Sequence;
 use crate::tile::{
-    add_scaled_and_dot_staged, add_scaled_staged, dot_staged, load_rows, load_vector, read_row,
-    write_row, zero_row,
+    add_scaled_and_dot_staged, add_scaled_staged, batch_head_index, dot_staged, load_rows,
+    load_vector, read_row, write_row, zero_row,
 };
 
 #[cube(launch_unchecked)]
@@ -58,15 +58,9 @@ pub fn flash_backward_dkdv<F: Float>(
     let len_v = v.shape(3);
     let heads_kv = k.shape(1);
     let group = q.shape(1) / heads_kv;
-    let head_kv = CUBE_POS_Y as usize % heads_kv;
-    let sequence = Sequence::of(
-        CUBE_POS_Y as usize / heads_kv,
-        q,
-        k,
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        packed,
-    );
+    let pair = batch_head_index();
+    let head_kv = pair % heads_kv;
+    let sequence = Sequence::of(pair / heads_kv, q, k, cu_seqlens_q, cu_seqlens_kv, packed);
     let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
     let k_begin = CUBE_POS_X as usize * block_k;
     if k_begin >= seq_kv {

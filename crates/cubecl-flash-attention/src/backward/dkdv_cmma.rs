@@ -23,7 +23,7 @@ use crate::mma::{
 use crate::score::{score, score_grad};
 use crate::score_mod::ScoreCall;
 use crate::sequence::Sequence;
-use crate::tile::{load_vector, stage_rows, write_rows};
+use crate::tile::{batch_head_index, load_vector, stage_rows, write_rows};
 
 /// Row stride of the f32 tile that holds `Sᵀ`, then the final `dK` and `dV`.
 fn result_stride(config: &MmaConfig) -> usize {
@@ -92,15 +92,9 @@ pub fn flash_backward_dkdv_cmma<F: Float>(
 
     let heads_kv = k.shape(1);
     let group = q.shape(1) / heads_kv;
-    let head_kv = CUBE_POS_Y as usize % heads_kv;
-    let sequence = Sequence::of(
-        CUBE_POS_Y as usize / heads_kv,
-        q,
-        k,
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        packed,
-    );
+    let pair = batch_head_index();
+    let head_kv = pair % heads_kv;
+    let sequence = Sequence::of(pair / heads_kv, q, k, cu_seqlens_q, cu_seqlens_kv, packed);
     let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
     let (q_first, kv_first) = (sequence.q_first, sequence.kv_first);
     let k_begin = CUBE_POS_X as usize * block_k;

@@ -46,7 +46,9 @@ use crate::score_mod::{ColumnLine, ScoreCall, modify_columns_with_slopes};
 use crate::sequence::Sequence;
 use crate::softmax::{LOG2_E, exp2_approx};
 use crate::stages::StageBarriers;
-use crate::tile::{RowLayout, SharedLayout, stage_rows_async, stage_vectors_async};
+use crate::tile::{
+    RowLayout, SharedLayout, batch_head_index, stage_rows_async, stage_vectors_async,
+};
 use crate::wgmma::{
     ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
     fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
@@ -136,15 +138,9 @@ pub fn flash_backward_dkdv_mma<F: Float>(
 
     let heads_kv = k.shape(1);
     let group_size = q.shape(1) / heads_kv;
-    let head_kv = CUBE_POS_Y as usize % heads_kv;
-    let sequence = Sequence::of(
-        CUBE_POS_Y as usize / heads_kv,
-        q,
-        k,
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        packed,
-    );
+    let pair = batch_head_index();
+    let head_kv = pair % heads_kv;
+    let sequence = Sequence::of(pair / heads_kv, q, k, cu_seqlens_q, cu_seqlens_kv, packed);
     let (batch, seq_q, seq_kv) = (sequence.batch, sequence.seq_q, sequence.seq_kv);
     let (q_first, kv_first) = (sequence.q_first, sequence.kv_first);
     let k_begin = CUBE_POS_X as usize * block_k;

@@ -28,6 +28,7 @@ mod dq_cmma;
 mod dq_register_mma;
 mod preprocess;
 
+use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
 use crate::bias::{ScoreBias, ScoreTerms, StagedBias, TermsGrad, sum_bias_grad};
@@ -38,7 +39,7 @@ use crate::config::{
 use crate::error::FlashError;
 use crate::forward::packed_problem;
 use crate::launch::{
-    DeviceTensor, MAX_SPAN, check_dtype, check_spans, expect_shape, grid,
+    DeviceTensor, MAX_SPAN, blocks_by_pairs, check_dtype, check_spans, expect_shape, grid,
     readable_by_16_byte_copies, softcap_arg, window_args,
 };
 use crate::loop_budget;
@@ -205,7 +206,7 @@ fn backward_with_terms(
         unsafe {
             sum_bias_grad::launch_unchecked(
                 client,
-                CubeCount::Static(elements.div_ceil(cube as usize) as u32, 1, 1),
+                calculate_cube_count_elemwise(client, elements, CubeDim::new_1d(cube)),
                 CubeDim::new_1d(cube),
                 full.arg(),
                 out.arg(),
@@ -487,11 +488,12 @@ fn launch(
     let rows: usize = lse.shape.iter().product();
     let cube = 256u32.min(limits.max_units_per_cube as u32);
     let delta_rows = cube as usize / DELTA_LANES;
+    let delta_dim = CubeDim::new_1d((delta_rows * DELTA_LANES) as u32);
     unsafe {
         flash_backward_delta::launch_unchecked(
             client,
-            CubeCount::Static(rows.div_ceil(delta_rows) as u32, 1, 1),
-            CubeDim::new_1d((delta_rows * DELTA_LANES) as u32),
+            calculate_cube_count_elemwise(client, rows * DELTA_LANES, delta_dim),
+            delta_dim,
             out.arg(),
             d_out.arg(),
             delta.arg(),
@@ -523,10 +525,9 @@ fn launch(
             } else {
                 DeviceTensor::empty(client, &[1, 1, 1, 1], 4)
             };
-            let count = CubeCount::Static(
-                problem.seq_kv.div_ceil(config.block_rows()) as u32,
-                (problem.batch * problem.heads_kv) as u32,
-                1,
+            let count = blocks_by_pairs(
+                problem.seq_kv.div_ceil(config.block_rows()),
+                problem.batch * problem.heads_kv,
             );
             for &gradients in config.key_gradients() {
                 unsafe {
@@ -575,7 +576,7 @@ fn launch(
                     let elements = q.shape.iter().product::<usize>();
                     flash_backward_dq_from_sum::launch_unchecked(
                         client,
-                        CubeCount::Static(elements.div_ceil(cube as usize) as u32, 1, 1),
+                        calculate_cube_count_elemwise(client, elements, CubeDim::new_1d(cube)),
                         CubeDim::new_1d(cube),
                         dq_sum.arg(),
                         grads.dq.arg(),
@@ -585,10 +586,9 @@ fn launch(
                 }
                 return Ok(());
             }
-            let count = CubeCount::Static(
-                problem.seq_q.div_ceil(config.block_rows()) as u32,
-                (problem.batch * problem.heads_q) as u32,
-                1,
+            let count = blocks_by_pairs(
+                problem.seq_q.div_ceil(config.block_rows()),
+                problem.batch * problem.heads_q,
             );
             unsafe {
                 flash_backward_dq_mma::launch_unchecked(
@@ -630,10 +630,9 @@ fn launch(
         }
         Plan::TensorCore => {
             let config = dkdv_mma_config(&problem, &limits)?;
-            let count = CubeCount::Static(
-                problem.seq_kv.div_ceil(config.block_rows()) as u32,
-                (problem.batch * problem.heads_kv) as u32,
-                1,
+            let count = blocks_by_pairs(
+                problem.seq_kv.div_ceil(config.block_rows()),
+                problem.batch * problem.heads_kv,
             );
             unsafe {
                 flash_backward_dkdv_cmma::launch_unchecked(
@@ -667,10 +666,9 @@ fn launch(
                 );
             }
             let config = dq_mma_config(&problem, &limits)?;
-            let count = CubeCount::Static(
-                problem.seq_q.div_ceil(config.block_rows()) as u32,
-                (problem.batch * problem.heads_q) as u32,
-                1,
+            let count = blocks_by_pairs(
+                problem.seq_q.div_ceil(config.block_rows()),
+                problem.batch * problem.heads_q,
             );
             unsafe {
                 flash_backward_dq_cmma::launch_unchecked(

@@ -13,8 +13,8 @@ use crate::config::{
 };
 use crate::error::FlashError;
 use crate::launch::{
-    DeviceTensor, check_dtype, check_spans, expect_shape, grid, readable_by_16_byte_copies,
-    softcap_arg, window_args,
+    DeviceTensor, blocks_by_pairs, check_dtype, check_spans, expect_shape, grid,
+    readable_by_16_byte_copies, softcap_arg, window_args,
 };
 use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
@@ -306,10 +306,9 @@ fn launch(
             if let Some(blocks) = terms.block_mask {
                 blocks.check_tiles(config.block_rows(), config.block_kv)?;
             }
-            let count = CubeCount::Static(
-                problem.seq_q.div_ceil(config.block_rows()) as u32,
-                (problem.batch * problem.heads_q) as u32,
-                1,
+            let count = blocks_by_pairs(
+                problem.seq_q.div_ceil(config.block_rows()),
+                problem.batch * problem.heads_q,
             );
             let (q_rows, k_rows, v_rows) = (
                 q.row_layout("query")?,
@@ -351,10 +350,9 @@ fn launch(
         }
         Plan::TensorCore => {
             let config = mma_config(&problem, &limits)?;
-            let count = CubeCount::Static(
-                problem.seq_q.div_ceil(config.block_rows()) as u32,
-                (problem.batch * problem.heads_q) as u32,
-                1,
+            let count = blocks_by_pairs(
+                problem.seq_q.div_ceil(config.block_rows()),
+                problem.batch * problem.heads_q,
             );
             unsafe {
                 flash_forward_cmma::launch_unchecked(
