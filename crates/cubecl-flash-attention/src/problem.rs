@@ -298,10 +298,11 @@ pub(crate) mod tests {
 
     #[test]
     fn too_many_batch_heads_name_the_query() {
+        // Past the 65 535² pairs the grid's Y and Z dimensions hold.
         let err = AttentionProblem::new(
-            &[2048, 64, 16, 64],
-            &[2048, 64, 16, 64],
-            &[2048, 64, 16, 64],
+            &[65536, 65536, 16, 64],
+            &[65536, 65536, 16, 64],
+            &[65536, 65536, 16, 64],
             FloatDtype::BF16,
             AttentionOptions::default(),
         )
@@ -310,11 +311,12 @@ pub(crate) mod tests {
             matches!(err, FlashError::Shape { arg: "query", .. }),
             "unexpected error: {err}"
         );
-        assert!(err.to_string().contains("131072"), "{err}");
+        assert!(err.to_string().contains("4294967296"), "{err}");
+        // Past the 65 535 of one dimension: taken.
         let fits = AttentionProblem::new(
-            &[1023, 64, 16, 64],
-            &[1023, 64, 16, 64],
-            &[1023, 64, 16, 64],
+            &[2048, 64, 16, 64],
+            &[2048, 64, 16, 64],
+            &[2048, 64, 16, 64],
             FloatDtype::BF16,
             AttentionOptions::default(),
         );
