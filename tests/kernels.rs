@@ -217,7 +217,7 @@ fn launches_past_one_grid_dimension_match_the_oracle() {
     // 2 · 32 769 = 65 538 pairs of 17 queries: 1 114 146 rows.
     let case = Case {
         causal: true,
-        ..common::case(common::dims(2, 32769, 32769, 17, 3, 8, 8))
+        ..common::case(common::dims(2, 32769, 32769, 17, 3, 16, 16))
     };
     for dtype in common::dtypes(&client) {
         if common::is_cpu_device() && dtype != FloatDtype::F32 {

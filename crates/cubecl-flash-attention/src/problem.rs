@@ -10,7 +10,7 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Largest batch · query heads of a problem: the kernels' launch grids enumerate them along
 /// two dimensions (Y, then Z), each at most 65535 cubes on CUDA, HIP and WebGPU. (The decode
 /// kernels enumerate batch · K/V heads along one and check their own bound.)
-pub const MAX_BATCH_HEADS: usize = 65535 * 65535;
+pub const MAX_BATCH_HEADS: usize = crate::launch::GRID_DIM * crate::launch::GRID_DIM;
 
 /// Floating-point type of Q, K, V, O and the gradients. Accumulation is always f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -138,8 +138,9 @@ fn add_f32_indexed<G: CubePrimitive>(cells: &mut [Atomic<G>], index: usize, valu
 fn red_f32<G: CubePrimitive>(cells: &mut [Atomic<G>], index: usize, value: f32) {
     let cell = &mut cells[index..index + 1];
     let pointer = unsafe { cell.as_mut_ptr_unchecked() };
-    // A value of its own: a caller's mutable variable would reach the operand as its address.
-    let addend = f32::new(0.0) + value;
+    // A value of its own (`× 1`, exact, which the compiler folds): a caller's mutable
+    // variable would reach the operand as its address.
+    let addend = value * f32::new(1.0);
     gpu_asm!(
         "red.relaxed.gpu.global.add.f32 [{pointer}], {addend};",
         pointer = in(_) pointer,
