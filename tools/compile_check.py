@@ -6,7 +6,8 @@ CUDA: every DIR/*.cu is compiled with NVRTC (through ctypes) using the options c
     --gpu-architecture=sm_XX   (sm_XXa from sm_90 on), --include-path=<cuda>/include,
     -lineinfo, --include-path=<cuda>/include/cccl
 and the PTX is assembled with `ptxas -v --gpu-name <arch>`; its report gives per kernel the
-registers, static shared memory, stack frame (local memory), spill stores and loads.
+registers, static shared memory, stack frame (local memory), spill stores and loads, and
+the waits or arrives it inserted around warpgroup products (C7510/C7517/C7519).
 
 HIP: every DIR/*.hip is compiled for each --offload-arch with clang (device code only) the
 way hipRTC compiles it at run time: hipRTC's builtin header (hip_runtime.h, hip_fp16.h,
@@ -178,6 +179,10 @@ def parse_ptxas(text):
                 cur[key] = int(m.group(1))
         for m in re.finditer(r"(\d+) bytes cmem\[(\d+)\]", line):
             cur.setdefault("cmem_bytes", {})[m.group(2)] = int(m.group(1))
+    # Warpgroup products the assembler had to synchronize itself (C7510 serialized, C7517
+    # a wait, C7519 an arrive inserted): registers touched while products still write them.
+    for m in re.finditer(r"\((C75\d\d)\) (.*?) in function '([^']+)'", text):
+        rec(m.group(3)).setdefault("wgmma_syncs", []).append(f"{m.group(1)} {m.group(2)}")
     out = []
     for f in funcs.values():
         if f["entry"]:
@@ -389,7 +394,9 @@ def describe(r):
             spill = k.get("spill_stores_bytes", 0) + k.get("spill_loads_bytes", 0)
             lines.append(f"{head}  {k['name']}: regs={k.get('registers')} smem={k.get('smem_bytes')}B "
                          f"local={k.get('local_bytes')}B spill_st={k.get('spill_stores_bytes', 0)}B "
-                         f"spill_ld={k.get('spill_loads_bytes', 0)}B" + ("  [spills]" if spill else ""))
+                         f"spill_ld={k.get('spill_loads_bytes', 0)}B" + ("  [spills]" if spill else "")
+                         + (f"  [wgmma syncs inserted: {len(k['wgmma_syncs'])}]"
+                            if k.get("wgmma_syncs") else ""))
         else:
             spill = k.get("sgpr_spills", 0) + k.get("vgpr_spills", 0)
             lines.append(f"{head}  {k['name']}: vgpr={k.get('vgprs')} agpr={k.get('agprs')} "
@@ -487,7 +494,10 @@ def main(argv=None):
     spills = sorted({(r["backend"], r["arch"], k["name"]) for r in res for k in r["kernels"]
                      if k.get("spill_stores_bytes", 0) + k.get("spill_loads_bytes", 0)
                      + k.get("sgpr_spills", 0) + k.get("vgpr_spills", 0)})
+    syncs = sorted({(r["arch"], k["name"], len(k["wgmma_syncs"])) for r in res
+                    for k in r["kernels"] if k.get("wgmma_syncs")})
     report["summary"] = {**count, "kernels_with_spills": [list(s) for s in spills],
+                         "kernels_with_inserted_wgmma_syncs": [list(s) for s in syncs],
                          "unverified_sources": sorted({r["source"] for r in res if r["status"] == "unverified"}),
                          "elapsed_s": round(time.monotonic() - t_start, 1)}
     for b in ("cuda", "hip"):
@@ -497,6 +507,9 @@ def main(argv=None):
                   + ", ".join(f"{s} {sum(r['status'] == s for r in rb)}" for s in ("ok", "fail", "unverified")))
     if spills:
         print("# kernels with register spills: " + ", ".join(f"{n} ({a})" for _, a, n in spills))
+    if syncs:
+        print("# kernels whose warpgroup products the assembler synchronized: "
+              + ", ".join(f"{n} ({a}: {c})" for a, n, c in syncs))
     if report["summary"]["unverified_sources"]:
         print("# unverified (needs rocWMMA, not installed): " + ", ".join(report["summary"]["unverified_sources"]))
     if args.json:

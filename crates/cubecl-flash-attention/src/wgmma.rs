@@ -25,6 +25,14 @@
 //! result vector's elements first, then each input in order, a vector input taking one
 //! number per element. The block names its operands once more in a closing PTX comment,
 //! as `gpu_asm!` wants every operand named in the template.
+//!
+//! A block may also leave its products running ([`Completion`]): its registers are then
+//! written after the block, and a later block ([`await_products`]) waits for them with
+//! `wgmma.wait_group` before anything reads them. Products that accumulate while others
+//! run write their input registers in place (no copies, which the assembler would answer by
+//! waiting for the running products). The assembler checks such pipelines and, where
+//! registers are touched under running products, inserts the waits itself and says so
+//! (`ptxas -v`, C7517/C7519): `tools/compile_check.py` reports those lines.
 
 use std::fmt::Write as _;
 
@@ -38,12 +46,19 @@ use crate::tile::{SWIZZLE_COLS, SharedLayout};
 pub const WARPGROUP_PLANES: usize = 4;
 /// Rows of A (and of the accumulator) per instruction: 16 per plane of the warpgroup.
 pub const WARPGROUP_ROWS: usize = 64;
-/// Columns of B (and of the accumulator) per instruction.
+/// Columns of B (and of the accumulator) per instruction of the narrowest products; an
+/// instruction may be 64, 128 or 256 wide ([`Chain::n`]).
 pub const WARPGROUP_COLS: usize = 64;
 /// Reduction per instruction.
 pub const WARPGROUP_K: usize = 16;
 /// f32 accumulators per unit of one 64×64 product.
-pub const ACCUMULATORS: usize = WARPGROUP_ROWS * WARPGROUP_COLS / 128;
+pub const ACCUMULATORS: usize = accumulators(WARPGROUP_COLS);
+
+/// f32 accumulators per unit of a 64-row product `n` columns wide. A wider product's
+/// accumulators are those of its 64-column parts side by side.
+pub const fn accumulators(n: usize) -> usize {
+    WARPGROUP_ROWS * n / 128
+}
 
 /// How a shared operand's tile is read: along its columns (its rows are the product's
 /// `M` or `N`) or along its rows (its rows are the reduction).
@@ -147,8 +162,8 @@ pub enum ASource {
     Registers { group: usize },
 }
 
-/// One product of a PTX block: `acc (+)= A · B` over `k_steps` steps of 16, into 32
-/// accumulators of the block's result.
+/// One product of a PTX block: `acc (+)= A · B` over `k_steps` steps of 16, `n` columns
+/// wide, into `n / 2` accumulators of the block's result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Chain {
     pub a: ASource,
@@ -156,60 +171,115 @@ pub struct Chain {
     pub k_steps: usize,
     /// The accumulators come in as an input (else they start at zero).
     pub accumulate: bool,
+    /// Columns of the product: 64, 128 or 256. A wider instruction reads its A operand once
+    /// for all its columns, where narrower ones each read it again (from shared memory, when
+    /// A is a shared tile).
+    pub n: usize,
 }
 
 impl Chain {
     /// `A·Bᵀ` of two shared tiles read as `op` (both K-major, the reduction their columns),
-    /// starting from zero.
-    fn scores(op: SharedOperand) -> Self {
+    /// `n` rows of B, starting from zero.
+    fn scores(op: SharedOperand, n: usize) -> Self {
         Self {
             a: ASource::Shared(op),
             b: op,
             k_steps: op.cols / WARPGROUP_K,
             accumulate: false,
+            n,
         }
+    }
+    fn accumulators(&self) -> usize {
+        accumulators(self.n)
     }
 }
 
-/// The PTX block of `chains` for `dtype` inputs: chain `i` writes result elements
-/// `32i..32i + 32`; all are issued, then committed and waited for once. The inputs, in
-/// order: the 32 accumulators of each chain that accumulates; `register_a` groups of 16
-/// A fragments ([`ASource::Registers`]); per chain, its shared A descriptor's halves (if
-/// any) and its B descriptor's halves.
-pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> String {
+/// What a PTX block of products does after issuing them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Completion {
+    /// Commits and waits for them: the block's outputs are the results.
+    Wait,
+    /// Commits them and leaves them running: the block's outputs are the registers the
+    /// products are still writing ([`await_products`] waits for them before they are read).
+    Commit,
+    /// Leaves them uncommitted and running, accumulating in place into the block's
+    /// accumulator inputs, and has no outputs: the caller commits ([`commit_products`]) and
+    /// awaits those inputs. (Accumulating into outputs would copy the inputs first, and the
+    /// assembler, seeing new registers defined under products still running, waits for them.)
+    InPlace,
+}
+
+/// The PTX block of `chains` for `dtype` inputs: chain `i` writes the result elements after
+/// those of the chains before it; all are issued, then committed and waited for as
+/// `completion` says. The inputs, in order: the accumulators of each chain that accumulates
+/// (with [`Completion::InPlace`], where every chain accumulates, these are the block's only
+/// accumulators, numbered from 0); `register_a` groups of 16 A fragments
+/// ([`ASource::Registers`]); per chain, its shared A descriptor's halves (if any) and its B
+/// descriptor's halves.
+pub fn chain_ptx(
+    dtype: FloatDtype,
+    chains: &[Chain],
+    register_a: usize,
+    completion: Completion,
+) -> String {
     let ty = match dtype {
         FloatDtype::BF16 => "bf16",
         FloatDtype::F16 => "f16",
         FloatDtype::F32 => panic!("warpgroup products take f16 or bf16 inputs"),
     };
+    let in_place = completion == Completion::InPlace;
+    assert!(
+        !in_place || chains.iter().all(|c| c.accumulate),
+        "products accumulate in place only into accumulators they take"
+    );
     let regs = |first: usize, count: usize| {
         (first..first + count)
             .map(|i| format!("%{i}"))
             .collect::<Vec<_>>()
             .join(", ")
     };
+    let outputs: usize = chains.iter().map(Chain::accumulators).sum();
     let mut ptx = String::from(
         "{\n.reg .pred zero, one;\n.reg .b32 flag;\n.reg .b64 da, db;\n\
          mov.b32 flag, 1;\nsetp.eq.b32 zero, flag, 0;\nsetp.eq.b32 one, flag, 1;\n",
     );
-    let mut next = ACCUMULATORS * chains.len();
-    for (i, _) in chains.iter().enumerate().filter(|(_, c)| c.accumulate) {
-        for e in 0..ACCUMULATORS {
-            writeln!(ptx, "mov.b32 %{}, %{};", i * ACCUMULATORS + e, next + e).unwrap();
+    // Where each chain's accumulators are: outputs side by side, or in place, its inputs.
+    let mut next = if in_place { 0 } else { outputs };
+    let mut at = 0;
+    let mut dest = Vec::with_capacity(chains.len());
+    for chain in chains {
+        let count = chain.accumulators();
+        if in_place {
+            dest.push(next);
+        } else {
+            dest.push(at);
+            if chain.accumulate {
+                for e in 0..count {
+                    writeln!(ptx, "mov.b32 %{}, %{};", at + e, next + e).unwrap();
+                }
+            }
         }
-        next += ACCUMULATORS;
+        at += count;
+        if chain.accumulate {
+            next += count;
+        }
     }
     let pool = next;
     next += 16 * register_a;
     ptx.push_str("wgmma.fence.sync.aligned;\n");
-    for (i, chain) in chains.iter().enumerate() {
+    for (chain, &first) in chains.iter().zip(&dest) {
+        assert!(
+            matches!(chain.n, 64 | 128 | 256),
+            "products are 64, 128 or 256 wide"
+        );
         if let ASource::Shared { .. } = chain.a {
             writeln!(ptx, "mov.b64 da, {{%{next}, %{}}};", next + 1).unwrap();
             next += 2;
         }
         writeln!(ptx, "mov.b64 db, {{%{next}, %{}}};", next + 1).unwrap();
         next += 2;
-        let d = regs(i * ACCUMULATORS, ACCUMULATORS);
+        let d = regs(first, chain.accumulators());
+        let n = chain.n;
         let transpose_b = (chain.b.major == Major::MN) as u8;
         for step in 0..chain.k_steps {
             let scale_d = if chain.accumulate || step > 0 {
@@ -230,7 +300,7 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
             };
             writeln!(
                 ptx,
-                "wgmma.mma_async.sync.aligned.m64n{WARPGROUP_COLS}k{WARPGROUP_K}.f32.{ty}.{ty} \
+                "wgmma.mma_async.sync.aligned.m64n{n}k{WARPGROUP_K}.f32.{ty}.{ty} \
                  {{{d}}}, {a_operand}, db, {scale_d}, 1, 1{transpose_a}, {transpose_b};"
             )
             .unwrap();
@@ -242,22 +312,73 @@ pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> Stri
             }
         }
     }
-    ptx.push_str("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}");
+    match completion {
+        Completion::Wait => {
+            ptx.push_str("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n")
+        }
+        Completion::Commit => ptx.push_str("wgmma.commit_group.sync.aligned;\n"),
+        Completion::InPlace => {}
+    }
+    ptx.push('}');
     ptx
+}
+
+/// The PTX block of [`await_products`]: waits until at most `pending` groups of products
+/// are still running, then moves the `count` input registers to the outputs.
+pub fn await_ptx(count: usize, pending: usize) -> String {
+    let mut ptx = format!("{{\nwgmma.wait_group.sync.aligned {pending};\n");
+    for e in 0..count {
+        writeln!(ptx, "mov.b32 %{e}, %{};", count + e).unwrap();
+    }
+    ptx.push('}');
+    ptx
+}
+
+/// The accumulators `running` of products left running ([`Completion::Commit`],
+/// [`Completion::InPlace`]),
+/// once at most `pending` groups of products issued since are still running (issued in
+/// order, a group completes no later than those after it). Until then, nothing may read
+/// `running`: the products are still writing its registers.
+#[cube]
+pub fn await_products<N: Size>(
+    running: Vector<f32, N>,
+    #[comptime] pending: usize,
+) -> Vector<f32, N> {
+    let body = comptime!(await_ptx(N::try_value_const().unwrap(), pending));
+    // As in `register_products`: the vector reaches the block as values (the identity
+    // is folded away, so nothing reads the registers before the wait).
+    let running = running * Vector::<f32, N>::cast_from(1.0f32);
+    let done: Vector<f32, N>;
+    gpu_asm!(
+        "{body}\n// {done} {running}",
+        body = const body,
+        done = out(_) done,
+        running = in(_) running,
+    );
+    done
+}
+
+/// Commits the products this unit issued and has not committed as one group (an empty
+/// group if there are none), for [`await_products`] to count.
+#[cube]
+pub fn commit_products() {
+    gpu_asm!("wgmma.commit_group.sync.aligned;");
 }
 
 /// What [`shared_products`] computes: `count` (1 or 2) products `acc_i = A_i·B_iᵀ`, both
 /// operands shared tiles read as `ops[i]` (K-major: the tiles' rows are the product's rows
-/// and columns, their columns the reduction), 64 × 64 each.
+/// and columns, their columns the reduction), 64 rows × `n` columns each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SharedProducts {
     pub count: usize,
     pub ops: [SharedOperand; 2],
+    pub n: usize,
+    pub completion: Completion,
 }
 
 /// The products of `products` in one PTX block (see [`chain_ptx`]), from zero: `descriptors`
 /// holds each product's A and B descriptor halves in turn ([`pack_descriptor`]); the result
-/// holds 32 accumulators per product (`N`).
+/// holds `n / 2` accumulators per product (`N`).
 #[cube]
 pub fn shared_products<N: Size, M: Size>(
     descriptors: Vector<u32, M>,
@@ -266,10 +387,10 @@ pub fn shared_products<N: Size, M: Size>(
 ) -> Vector<f32, N> {
     let chains = comptime!(
         (0..products.count)
-            .map(|i| Chain::scores(products.ops[i]))
+            .map(|i| Chain::scores(products.ops[i], products.n))
             .collect::<Vec<_>>()
     );
-    let body = comptime!(chain_ptx(dtype, &chains, 0));
+    let body = comptime!(chain_ptx(dtype, &chains, 0, products.completion));
     // As in `register_products`: the vector reaches the block as values.
     let descriptors = descriptors | Vector::<u32, M>::cast_from(0u32);
     let acc: Vector<f32, N>;
@@ -282,11 +403,12 @@ pub fn shared_products<N: Size, M: Size>(
     acc
 }
 
-/// `S = A·Bᵀ` for the warpgroup's 64 rows of tile `a` (from element `a_at`) against
-/// `64 · count` rows of tile `b` (from element `b_at`), both laid out as `layout` and read
-/// K-major, in one PTX block ([`shared_products`]); written to pairs `16c..16c + 16` of `s`
-/// for each 64 rows `c` of B. `N` is 32 accumulators per 64 rows of B, `M` four descriptor
-/// halves. `S = Q·Kᵀ` in the forward.
+/// Issues `S = A·Bᵀ` for the warpgroup's 64 rows of tile `a` (from element `a_at`) against
+/// `rows` rows of tile `b` (from element `b_at`), both laid out as `layout` and read K-major,
+/// in one PTX block ([`shared_products`]): one product `rows` wide if `wide`, else one per 64
+/// rows. Returns the accumulators, B's rows in order (`N = rows / 2`; `M` is four
+/// descriptor halves per product), complete or still being written as `completion` says
+/// ([`unpack_all`] lays them out as pairs). `S = Q·Kᵀ` in the forward.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn scores_against_rows<F: Float, N: Size, M: Size>(
@@ -295,11 +417,17 @@ pub fn scores_against_rows<F: Float, N: Size, M: Size>(
     b: &Shared<[F]>,
     b_at: usize,
     #[comptime] layout: SharedLayout,
-    #[comptime] count: usize,
+    #[comptime] rows: usize,
+    #[comptime] wide: bool,
+    #[comptime] completion: Completion,
     #[comptime] dtype: FloatDtype,
-    s: &mut Array<Pair<f32>>,
-) {
+) -> Vector<f32, N> {
     let op = comptime!(SharedOperand::new(layout, Major::K));
+    let (count, n) = comptime!(if wide {
+        (1, rows)
+    } else {
+        (rows / WARPGROUP_COLS, WARPGROUP_COLS)
+    });
     let mut descriptors = Vector::<u32, M>::cast_from(0u32);
     #[unroll]
     for c in 0..count {
@@ -313,11 +441,24 @@ pub fn scores_against_rows<F: Float, N: Size, M: Size>(
     let products = comptime!(SharedProducts {
         count,
         ops: [op, op],
+        n,
+        completion,
     });
-    let acc = shared_products::<N, M>(descriptors, products, dtype);
+    shared_products::<N, M>(descriptors, products, dtype)
+}
+
+/// Writes the accumulators `acc` (`N` of them, as products lay them out) to pairs
+/// `0..N / 2` of `pairs`.
+#[cube]
+pub fn unpack_all<N: Size>(acc: Vector<f32, N>, pairs: &mut Array<Pair<f32>>) {
     #[unroll]
-    for c in 0..count {
-        unpack(acc, comptime!(c * ACCUMULATORS), s, c * ACCUMULATORS / 2);
+    for c in 0..comptime!(N::try_value_const().unwrap() / ACCUMULATORS) {
+        unpack(
+            acc,
+            comptime!(c * ACCUMULATORS),
+            pairs,
+            c * ACCUMULATORS / 2,
+        );
     }
 }
 
@@ -353,6 +494,8 @@ pub fn score_products<F: Float>(
     let products = comptime!(SharedProducts {
         count: 2,
         ops: [op0, op1],
+        n: WARPGROUP_COLS,
+        completion: Completion::Wait,
     });
     let acc = shared_products::<Const<64>, Const<8>>(descriptors, products, dtype);
     unpack(acc, 0usize, first, 0);
@@ -360,11 +503,13 @@ pub fn score_products<F: Float>(
 }
 
 /// `acc += A·B` on warpgroup instructions, in one PTX block: A the plane's accumulator pairs
-/// `a` (16 rows × `reduction` columns, converted to the input dtype: [`pack_register_a`]),
-/// B the `reduction` rows of `tile` from element `base` (laid out as `layout`, read
-/// MN-major), every 64 of its columns a product into the matching 32 accumulators of `acc`.
-/// `N` is 32 per product, `M` two descriptor halves per product. `dQ += dS·K`, `O += P·V`.
+/// `a` (16 rows × `reduction` columns, converted to the input dtype: [`pack_register_a`]), B
+/// the `reduction` rows of `tile` from element `base` (laid out as `layout`, read MN-major),
+/// its columns in products `n` wide into the matching accumulators of `acc`. `N`
+/// accumulators in all (twice `acc`'s pairs), `M` two descriptor halves per product.
+/// `dQ += dS·K`, `O += P·V`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn accumulate_from_registers<F: Float, N: Size, M: Size>(
     acc: &mut Array<Pair<f32>>,
     a: &Array<Pair<f32>>,
@@ -372,10 +517,65 @@ pub fn accumulate_from_registers<F: Float, N: Size, M: Size>(
     base: usize,
     #[comptime] layout: SharedLayout,
     #[comptime] reduction: usize,
+    #[comptime] n: usize,
     #[comptime] dtype: FloatDtype,
 ) {
+    let (values, fragments, b) =
+        register_operands::<F, N, M>(&*acc, a, tile, base, layout, reduction, n);
+    let products = comptime!(RegisterProducts::along(
+        layout,
+        reduction,
+        n,
+        Completion::Wait
+    ));
+    let sums = register_products(values, fragments, b, products, dtype);
+    unpack_all(sums, acc);
+}
+
+/// [`accumulate_from_registers`] left running, where `issue` (else not issued): returns
+/// the accumulators the products write in place (`acc` packed), which nothing may read
+/// before [`await_products`]; the caller commits the products ([`commit_products`]).
+/// `O += P·V` of one key block under the next block's softmax.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn start_accumulating_from_registers<F: Float, N: Size, M: Size>(
+    acc: &Array<Pair<f32>>,
+    a: &Array<Pair<f32>>,
+    tile: &Shared<[F]>,
+    base: usize,
+    issue: bool,
+    #[comptime] layout: SharedLayout,
+    #[comptime] reduction: usize,
+    #[comptime] n: usize,
+    #[comptime] dtype: FloatDtype,
+) -> Vector<f32, N> {
+    let (values, fragments, b) =
+        register_operands::<F, N, M>(acc, a, tile, base, layout, reduction, n);
+    let products = comptime!(RegisterProducts::along(
+        layout,
+        reduction,
+        n,
+        Completion::InPlace
+    ));
+    if issue {
+        issue_register_products_in_place(values, fragments, b, products, dtype);
+    }
+    values
+}
+
+/// The operands of [`accumulate_from_registers`]: the accumulators packed, the A fragments
+/// and the B descriptors' halves.
+#[cube]
+fn register_operands<F: Float, N: Size, M: Size>(
+    acc: &Array<Pair<f32>>,
+    a: &Array<Pair<f32>>,
+    tile: &Shared<[F]>,
+    base: usize,
+    #[comptime] layout: SharedLayout,
+    #[comptime] reduction: usize,
+    #[comptime] n: usize,
+) -> (Vector<f32, N>, Vector<u32, Const<32>>, Vector<u32, M>) {
     let rows = comptime!(SharedOperand::new(layout, Major::MN));
-    let chunks = comptime!(rows.cols / WARPGROUP_COLS);
     let pairs = comptime!(ACCUMULATORS / 2);
     let mut values = Vector::<f32, N>::cast_from(0.0f32);
     let mut fragments = Vector::<u32, Const<32>>::cast_from(0u32);
@@ -385,37 +585,45 @@ pub fn accumulate_from_registers<F: Float, N: Size, M: Size>(
         pack_register_a::<F>(a, g * pairs, &mut fragments, g);
     }
     #[unroll]
-    for j in 0..chunks {
-        let at = comptime!(rows.element(j * WARPGROUP_COLS, 0));
-        pack(&*acc, j * pairs, &mut values, comptime!(j * ACCUMULATORS));
+    for j in 0..comptime!(rows.cols / WARPGROUP_COLS) {
+        pack(acc, j * pairs, &mut values, comptime!(j * ACCUMULATORS));
+    }
+    #[unroll]
+    for j in 0..comptime!(rows.cols / n) {
+        let at = comptime!(rows.element(j * n, 0));
         pack_descriptor(descriptor(tile, base + at, rows), &mut b, j);
     }
-    let products = comptime!(RegisterProducts {
-        count: chunks,
-        a_of: [0; 4],
-        k_steps: reduction / WARPGROUP_K,
-        b: rows,
-    });
-    let values = register_products(values, fragments, b, products, dtype);
-    #[unroll]
-    for j in 0..chunks {
-        unpack(values, comptime!(j * ACCUMULATORS), acc, j * pairs);
-    }
+    (values, fragments, b)
 }
 
-/// What [`register_products`] computes: `count` (1 to 4) products of 64 columns each,
+/// What [`register_products`] computes: `count` (1 to 4) products of `n` columns each,
 /// `acc_i += A_(a_of[i]) · B_i` over `16 · k_steps` of the reduction, A from registers
 /// (from group `a_of[i]` of two, a group per 64 of the reduction), each B a shared tile read
-/// as `b`.
+/// as `b`; completed as `completion` says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RegisterProducts {
     pub count: usize,
     pub a_of: [usize; 4],
     pub k_steps: usize,
     pub b: SharedOperand,
+    pub n: usize,
+    pub completion: Completion,
 }
 
 impl RegisterProducts {
+    /// The products of `A · B` with B the `reduction` rows of a tile laid out as `layout`
+    /// (read MN-major), its columns in products `n` wide, A from registers.
+    fn along(layout: SharedLayout, reduction: usize, n: usize, completion: Completion) -> Self {
+        let b = SharedOperand::new(layout, Major::MN);
+        Self {
+            count: b.cols / n,
+            a_of: [0; 4],
+            k_steps: reduction / WARPGROUP_K,
+            b,
+            n,
+            completion,
+        }
+    }
     fn chains(&self) -> Vec<Chain> {
         (0..self.count)
             .map(|i| Chain {
@@ -425,14 +633,15 @@ impl RegisterProducts {
                 b: self.b,
                 k_steps: self.k_steps,
                 accumulate: true,
+                n: self.n,
             })
             .collect()
     }
 }
 
-/// `acc_i += A · B_i` for the products of `products`, in one PTX block (one wait): `acc`
-/// holds their accumulators side by side (`N` = 32 per product), `a` the two groups of A
-/// fragments ([`pack_register_a`]), `b` the B descriptors' halves (`M` = 2 per product).
+/// `acc_i += A · B_i` for the products of `products`, in one PTX block: `acc`
+/// holds their accumulators side by side (`N` = `n / 2` per product), `a` the two groups of
+/// A fragments ([`pack_register_a`]), `b` the B descriptors' halves (`M` = 2 per product).
 #[cube]
 pub fn register_products<N: Size, M: Size>(
     acc: Vector<f32, N>,
@@ -441,7 +650,7 @@ pub fn register_products<N: Size, M: Size>(
     #[comptime] products: RegisterProducts,
     #[comptime] dtype: FloatDtype,
 ) -> Vector<f32, N> {
-    let body = comptime!(chain_ptx(dtype, &products.chains(), 2));
+    let body = comptime!(chain_ptx(dtype, &products.chains(), 2, products.completion));
     // Vector inputs must reach the PTX block as values, one register per element: built
     // element by element, they live in mutable locals, which CubeCL would pass by address.
     // An identity operation reads them out (the compiler folds it away).
@@ -456,6 +665,28 @@ pub fn register_products<N: Size, M: Size>(
         acc = in(_) acc, a = in(_) a, b = in(_) b,
     );
     result
+}
+
+/// The products of `products` ([`Completion::InPlace`]) issued into the registers of `acc`,
+/// as [`register_products`] takes its operands; nothing is returned, the products still
+/// writing `acc`.
+#[cube]
+fn issue_register_products_in_place<N: Size, M: Size>(
+    acc: Vector<f32, N>,
+    a: Vector<u32, Const<32>>,
+    b: Vector<u32, M>,
+    #[comptime] products: RegisterProducts,
+    #[comptime] dtype: FloatDtype,
+) {
+    let body = comptime!(chain_ptx(dtype, &products.chains(), 2, products.completion));
+    let acc = acc * Vector::<f32, N>::cast_from(1.0f32);
+    let a = a | Vector::<u32, Const<32>>::cast_from(0u32);
+    let b = b | Vector::<u32, M>::cast_from(0u32);
+    gpu_asm!(
+        "{body}\n// {acc} {a} {b}",
+        body = const body,
+        acc = in(_) acc, a = in(_) a, b = in(_) b,
+    );
 }
 
 /// Writes pairs `first..first + 16` of `pairs` to accumulators `at..at + 32` of `acc`.
@@ -561,8 +792,9 @@ mod tests {
             b: k_major,
             k_steps: 2,
             accumulate: false,
+            n: 64,
         };
-        let ptx = chain_ptx(FloatDtype::BF16, &[shared, shared], 0);
+        let ptx = chain_ptx(FloatDtype::BF16, &[shared, shared], 0, Completion::Wait);
         // Result %0–%63, then A and B of each chain.
         assert!(ptx.contains("mov.b64 da, {%64, %65};"));
         assert!(ptx.contains("mov.b64 db, {%66, %67};"));
@@ -579,8 +811,14 @@ mod tests {
             b: SharedOperand::new(SharedLayout::Swizzled { cols: 128 }, Major::MN),
             k_steps: 4,
             accumulate: true,
+            n: 64,
         };
-        let ptx = chain_ptx(FloatDtype::F16, &[registers(0), registers(1)], 2);
+        let ptx = chain_ptx(
+            FloatDtype::F16,
+            &[registers(0), registers(1)],
+            2,
+            Completion::Wait,
+        );
         // Result %0–%63; accumulators in %64–%127; A groups %128–%143, %144–%159; the B
         // descriptors %160–%161, %162–%163.
         assert!(ptx.contains("mov.b32 %0, %64;"));
@@ -593,5 +831,44 @@ mod tests {
         assert!(ptx.contains(".f32.f16.f16"));
         assert!(ptx.find("mov.b32 %63").unwrap() < ptx.find("wgmma.fence").unwrap());
         assert_eq!(ptx.matches("wgmma.wait_group").count(), 1);
+    }
+
+    #[test]
+    fn wide_products_and_running_products_number_their_operands() {
+        let k_major = SharedOperand::new(SharedLayout::Swizzled { cols: 128 }, Major::K);
+        // One 128-column product: 64 accumulators, then A and B; committed, not waited for.
+        let ptx = chain_ptx(
+            FloatDtype::BF16,
+            &[Chain::scores(k_major, 128)],
+            0,
+            Completion::Commit,
+        );
+        assert!(ptx.contains("m64n128k16.f32.bf16.bf16 {%0, %1,"));
+        assert!(ptx.contains("%63}, da, db, zero, 1, 1, 0, 0;"));
+        assert!(ptx.contains("mov.b64 da, {%64, %65};"));
+        assert!(ptx.contains("mov.b64 db, {%66, %67};"));
+        assert!(ptx.contains("wgmma.commit_group"));
+        assert!(!ptx.contains("wgmma.wait_group"));
+
+        // In place: the accumulators are the inputs %0–%63, no copies, nothing committed.
+        let mn = SharedOperand::new(SharedLayout::Swizzled { cols: 128 }, Major::MN);
+        let products = RegisterProducts::along(
+            SharedLayout::Swizzled { cols: 128 },
+            128,
+            128,
+            Completion::InPlace,
+        );
+        assert_eq!((products.count, products.b, products.k_steps), (1, mn, 8));
+        let ptx = chain_ptx(FloatDtype::BF16, &products.chains(), 2, Completion::InPlace);
+        assert!(!ptx.contains("mov.b32 %"));
+        assert!(ptx.contains("m64n128k16.f32.bf16.bf16 {%0, %1,"));
+        assert!(ptx.contains("%63}, {%64, %65, %66, %67}, db, one, 1, 1, 1;"));
+        assert!(ptx.contains("%63}, {%92, %93, %94, %95}, db, one, 1, 1, 1;"));
+        assert!(ptx.contains("mov.b64 db, {%96, %97};"));
+        assert!(!ptx.contains("commit_group") && !ptx.contains("wait_group"));
+
+        let wait = await_ptx(64, 1);
+        assert!(wait.starts_with("{\nwgmma.wait_group.sync.aligned 1;\nmov.b32 %0, %64;"));
+        assert!(wait.contains("mov.b32 %63, %127;"));
     }
 }

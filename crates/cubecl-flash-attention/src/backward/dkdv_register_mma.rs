@@ -50,7 +50,7 @@ use crate::tile::{
     RowLayout, SharedLayout, batch_head_index, stage_rows_async, stage_vectors_async,
 };
 use crate::wgmma::{
-    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
+    ACCUMULATORS, Completion, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
     fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
     score_products, unpack, warpgroup_rows,
 };
@@ -818,6 +818,8 @@ fn key_gradient_products<F: Float, N: Size, M: Size>(
         a_of: [0, (chunks == 1) as usize, 1, 1],
         k_steps: 4,
         b: rows,
+        n: WARPGROUP_COLS,
+        completion: Completion::Wait,
     });
     let acc = register_products(acc, a, b, products, dtype);
     #[unroll]

@@ -39,7 +39,8 @@ use crate::softmax::{LOG2_E, exp2_approx};
 use crate::stages::StageBarriers;
 use crate::tile::{Head, RowLayout, last_first, row_offset, stage_rows_async};
 use crate::wgmma::{
-    accumulate_from_registers, fence_shared_for_products, score_products, warpgroup_rows,
+    WARPGROUP_COLS, accumulate_from_registers, fence_shared_for_products, score_products,
+    warpgroup_rows,
 };
 
 /// Lanes sharing one row of an accumulator tile.
@@ -612,6 +613,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
                     k_base,
                     qk_layout,
                     block_k,
+                    WARPGROUP_COLS,
                     dtype,
                 );
             } else {
@@ -622,6 +624,7 @@ pub fn flash_backward_dq_mma<F: Float, G: Numeric>(
                     k_base,
                     qk_layout,
                     block_k,
+                    WARPGROUP_COLS,
                     dtype,
                 );
             }

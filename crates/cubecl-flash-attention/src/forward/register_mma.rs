@@ -17,7 +17,14 @@
 //! memory. The softmax in between is the same code, as the accumulators keep the
 //! `mma.sync` layout. There K and V of a block are awaited together at its start: each
 //! arrival needs a proxy fence and a cube barrier before the products read it, and one per
-//! block ran 3–8% faster than two ([`RegisterMmaConfig::kv_together`]).
+//! block ran 3–8% faster than two ([`RegisterMmaConfig::kv_together`]). A 128-key block's
+//! `S` is one 128-column product ([`RegisterMmaConfig::wide_products`]). At d = 128 the
+//! products of one block overlap the softmax of the next ([`RegisterMmaConfig::overlap`],
+//! FlashAttention-3's intra-warpgroup pipelining): block `j` issues `S_j = Q·K_jᵀ`, then
+//! `O += P_(j−1)·V_(j−1)` behind it, waits for `S_j` alone, runs its softmax while `P·V`
+//! runs, and rescales `O` once that is done; the last block's `P·V` follows the loop. V of
+//! a block is then copied with K of the next (its stage is free once the `P·V` two blocks
+//! back is done), so one barrier per block still covers both.
 //!
 //! The row sums stay per lane until the epilogue, where the four lanes of a row add them.
 //! Mask arithmetic runs only in the key blocks that straddle the mask's edge or the
@@ -43,7 +50,9 @@ use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum
 use crate::stages::StageBarriers;
 use crate::tile::{Head, RowLayout, SharedLayout, last_first, stage_rows_async};
 use crate::wgmma::{
-    accumulate_from_registers, fence_shared_for_products, scores_against_rows, warpgroup_rows,
+    Completion, Major, SharedOperand, WARPGROUP_COLS, accumulate_from_registers, await_products,
+    commit_products, fence_shared_for_products, scores_against_rows,
+    start_accumulating_from_registers, unpack_all, warpgroup_rows,
 };
 
 /// Lanes sharing one row of an accumulator tile.
@@ -97,6 +106,8 @@ pub fn flash_forward_mma<F: Float>(
     // Warpgroup products (sm_90) read swizzled tiles; `mma.sync` padded rows.
     let warpgroup = comptime!(config.warpgroup.is_some());
     let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
+    let wide = comptime!(config.wide_products);
+    let overlap = comptime!(config.overlapped());
     let (qk_layout, v_layout, align) = comptime!(config.shared_layouts());
     let k_stage = comptime!(qk_layout.len(block_kv));
     let v_stage = comptime!(v_layout.len(block_kv));
@@ -268,21 +279,24 @@ pub fn flash_forward_mma<F: Float>(
             qk_layout,
             units,
         );
-        stage_block(
-            v,
-            &v_rows,
-            &head,
-            &sequence,
-            k0,
-            &mut v_tile,
-            0,
-            &v_landed,
-            block_kv,
-            config.dim_v,
-            dv,
-            v_layout,
-            units,
-        );
+        // Overlapped, V of a block is copied with K of the next.
+        if comptime!(!overlap) {
+            stage_block(
+                v,
+                &v_rows,
+                &head,
+                &sequence,
+                k0,
+                &mut v_tile,
+                0,
+                &v_landed,
+                block_kv,
+                config.dim_v,
+                dv,
+                v_layout,
+                units,
+            );
+        }
     }
 
     // The next block's first key, read one block ahead: with a block mask it comes from the
@@ -323,10 +337,15 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
 
-        // K of this block (and Q, with the first; and V, when awaited together) has landed;
-        // every unit is done with the previous block, so the other stage may be refilled.
+        // K of this block (and Q, with the first; and V, when awaited together: overlapped,
+        // V of the previous block) has landed; every unit is done with the previous block,
+        // so the other stage may be refilled.
         k_landed.wait(stage, 2usize);
-        if comptime!(config.kv_together) {
+        if comptime!(overlap) {
+            if block > 0 {
+                v_landed.wait(next, 2usize);
+            }
+        } else if comptime!(config.kv_together) {
             v_landed.wait(stage, 2usize);
         }
         if comptime!(warpgroup) {
@@ -371,7 +390,7 @@ pub fn flash_forward_mma<F: Float>(
                 qk_layout,
                 units,
             );
-            if comptime!(config.kv_together) {
+            if comptime!(config.kv_together && !overlap) {
                 stage_block(
                     v,
                     &v_rows,
@@ -389,20 +408,88 @@ pub fn flash_forward_mma<F: Float>(
                 );
             }
         }
+        // Overlapped: V of this block, into the stage whose block's `P·V` (two blocks back)
+        // every unit has waited for.
+        if comptime!(overlap) {
+            stage_block(
+                v,
+                &v_rows,
+                &head,
+                &sequence,
+                usize::cast_from(k0),
+                &mut v_tile,
+                stage,
+                &v_landed,
+                block_kv,
+                config.dim_v,
+                dv,
+                v_layout,
+                units,
+            );
+        }
 
         // 1. S = Q·Kᵀ (warpgroup products: the warpgroup's 64 queries × the block's keys,
-        // writing every pair).
+        // writing every pair). Overlapped, `O += P·V` of the previous block (none before the
+        // first) is issued behind it and runs under this block's softmax; the softmax waits
+        // for `S` alone.
         let k_base = stage * k_stage;
-        if comptime!(warpgroup) {
-            let q_at = warpgroup_rows(qk_layout);
+        let q_at = warpgroup_rows(qk_layout);
+        let o_running = if comptime!(overlap) {
+            let s_running = scores_against_rows::<F, Const<64>, Const<8>>(
+                &q_tile,
+                q_at,
+                &k_tile,
+                k_base,
+                qk_layout,
+                block_kv,
+                wide,
+                Completion::Commit,
+                dtype,
+            );
+            let o_running = start_accumulating_from_registers::<F, Const<64>, Const<4>>(
+                &o_acc,
+                &s_acc,
+                &v_tile,
+                next * v_stage,
+                block > 0,
+                v_layout,
+                block_kv,
+                comptime!(if wide { dv } else { WARPGROUP_COLS }),
+                dtype,
+            );
+            commit_products();
+            unpack_all(await_products(s_running, 1usize), &mut s_acc);
+            o_running
+        } else {
+            Vector::<f32, Const<64>>::cast_from(0.0f32)
+        };
+        if comptime!(warpgroup && !overlap) {
             if comptime!(block_kv == 128) {
-                scores_against_rows::<F, Const<64>, Const<8>>(
-                    &q_tile, q_at, &k_tile, k_base, qk_layout, 2usize, dtype, &mut s_acc,
+                let s = scores_against_rows::<F, Const<64>, Const<8>>(
+                    &q_tile,
+                    q_at,
+                    &k_tile,
+                    k_base,
+                    qk_layout,
+                    block_kv,
+                    wide,
+                    Completion::Wait,
+                    dtype,
                 );
+                unpack_all(s, &mut s_acc);
             } else {
-                scores_against_rows::<F, Const<32>, Const<4>>(
-                    &q_tile, q_at, &k_tile, k_base, qk_layout, 1usize, dtype, &mut s_acc,
+                let s = scores_against_rows::<F, Const<32>, Const<4>>(
+                    &q_tile,
+                    q_at,
+                    &k_tile,
+                    k_base,
+                    qk_layout,
+                    block_kv,
+                    wide,
+                    Completion::Wait,
+                    dtype,
                 );
+                unpack_all(s, &mut s_acc);
             }
         }
         #[unroll]
@@ -558,20 +645,17 @@ pub fn flash_forward_mma<F: Float>(
             outgrown = outgrown
                 || m * exponent_scale > row_max[r] * exponent_scale + f32::new(RESCALE_SLACK);
         }
-        if plane_any(outgrown) {
+        // The factors `O` is rescaled by, applied once its product is done.
+        let rescale = plane_any(outgrown);
+        let mut alpha = Array::<f32>::new(comptime!(2 * m_tiles));
+        if rescale {
             #[unroll]
             for r in 0..comptime!(2 * m_tiles) {
                 let m_new = max(row_max[r], block_row_max(&s_acc, r, s_tiles));
-                let alpha =
+                alpha[r] =
                     exp2_approx(row_max[r] * exponent_scale - reference(m_new, exponent_scale));
                 row_max[r] = m_new;
-                row_sum[r] *= alpha;
-                let alpha_pair = Pair::<f32>::cast_from(alpha);
-                #[unroll]
-                for n in 0..o_tiles {
-                    let at = 2 * ((r / 2) * o_tiles + n) + r % 2;
-                    o_acc[at] = o_acc[at] * alpha_pair;
-                }
+                row_sum[r] *= alpha[r];
             }
         }
         #[unroll]
@@ -594,6 +678,20 @@ pub fn flash_forward_mma<F: Float>(
                     s_acc[at] = pair;
                 }
                 row_sum[r] += block_sum;
+            }
+        }
+        if comptime!(overlap) {
+            unpack_all(await_products(o_running, 0usize), &mut o_acc);
+        }
+        if rescale {
+            #[unroll]
+            for r in 0..comptime!(2 * m_tiles) {
+                let alpha_pair = Pair::<f32>::cast_from(alpha[r]);
+                #[unroll]
+                for n in 0..o_tiles {
+                    let at = 2 * ((r / 2) * o_tiles + n) + r % 2;
+                    o_acc[at] = o_acc[at] * alpha_pair;
+                }
             }
         }
         // Dropout on the probabilities that multiply V, after their sum was taken.
@@ -638,16 +736,10 @@ pub fn flash_forward_mma<F: Float>(
         // Each V fragment serves every query tile of the plane (warpgroup products: all keys
         // of the block, 64 columns of O per product).
         let v_base = stage * v_stage;
-        if comptime!(warpgroup) {
-            if comptime!(dv == 128) {
-                accumulate_from_registers::<F, Const<64>, Const<4>>(
-                    &mut o_acc, &s_acc, &v_tile, v_base, v_layout, block_kv, dtype,
-                );
-            } else {
-                accumulate_from_registers::<F, Const<32>, Const<2>>(
-                    &mut o_acc, &s_acc, &v_tile, v_base, v_layout, block_kv, dtype,
-                );
-            }
+        if comptime!(warpgroup && !overlap) {
+            accumulate_all(
+                &mut o_acc, &s_acc, &v_tile, v_base, v_layout, block_kv, wide, dtype,
+            );
         }
         #[unroll]
         for kk in 0..comptime!(if warpgroup { 0 } else { kv_steps }) {
@@ -676,6 +768,17 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
         next_k0 = usize::cast_from(ahead);
+    }
+    // Overlapped: `O += P·V` of the last block, once its V has landed.
+    if comptime!(overlap) && blocks.count > 0 {
+        let stage = usize::cast_from((blocks.count - 1) % 2);
+        v_landed.wait(stage, 2usize);
+        fence_shared_for_products();
+        sync_cube();
+        let v_base = stage * v_stage;
+        accumulate_all(
+            &mut o_acc, &s_acc, &v_tile, v_base, v_layout, block_kv, wide, dtype,
+        );
     }
 
     // Epilogue: the four lanes of a row add their sums; normalize and write O and the LSE.
@@ -749,6 +852,33 @@ fn stage_block<F: Float>(
         units,
     );
     landed.commit(stage, 2usize);
+}
+
+/// `acc += A·B` on warpgroup products ([`accumulate_from_registers`]): `O += P·V` of a
+/// block of `reduction` keys, each product 64 columns wide or (`wide`) as wide as `O`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn accumulate_all<F: Float>(
+    acc: &mut Array<Pair<f32>>,
+    a: &Array<Pair<f32>>,
+    tile: &Shared<[F]>,
+    base: usize,
+    #[comptime] layout: SharedLayout,
+    #[comptime] reduction: usize,
+    #[comptime] wide: bool,
+    #[comptime] dtype: FloatDtype,
+) {
+    let cols = comptime!(SharedOperand::new(layout, Major::MN).cols);
+    let n = comptime!(if wide { cols } else { WARPGROUP_COLS });
+    if comptime!(cols == 128) {
+        accumulate_from_registers::<F, Const<64>, Const<4>>(
+            acc, a, tile, base, layout, reduction, n, dtype,
+        );
+    } else {
+        accumulate_from_registers::<F, Const<32>, Const<2>>(
+            acc, a, tile, base, layout, reduction, n, dtype,
+        );
+    }
 }
 
 /// Headroom (base 2) a row's maximum may gain before the plane rescales its output.
