@@ -793,6 +793,33 @@ fn many_splits_merge_in_rounds() {
     }
 }
 
+/// A batch of more (sequence, K/V head) pairs than one grid dimension holds (65 535): the
+/// decode, append and merge launches spread them over two. Every sequence, on both sides of
+/// the first dimension's end, matches the oracle and has its new key appended (paged, two
+/// splits merged).
+#[test]
+fn batches_past_one_grid_dimension_decode() {
+    let client = common::client();
+    let (_, mut rng) = common::rng();
+    // 65 600 sequences of one K/V head (two query heads packed in one row block).
+    let s = Serving {
+        page_size: Some(2),
+        causal: true,
+        ..serving(65_600, 2, 1, 1, 4, 8)
+    };
+    let dtypes = common::dtypes(&client);
+    // On a CPU driver the first dtype alone (the kernel is the same for every dtype there).
+    let dtypes = if common::is_cpu_device() {
+        &dtypes[..1]
+    } else {
+        &dtypes[..]
+    };
+    for &dtype in dtypes {
+        let lengths = edge_lengths(&s, &mut rng);
+        check(&client, &s, dtype, lengths, Splits::Exactly(2));
+    }
+}
+
 #[test]
 fn paged_and_contiguous_caches_give_the_same_bits() {
     let client = common::client();

@@ -8,10 +8,12 @@ use cubecl::std::FastDivmod;
 
 use super::cache::cache_slot;
 use crate::rotary::{RotaryConfig, rotated};
+use crate::tile::batch_head_index;
 
 /// Copies `new` `[batch, heads_kv, s_new, d]` (rotated by `rotary`, for keys) into `cache` (presented as `[blocks, heads_kv,
-/// rows, d]`, see [`super::cache`]). One cube per (token, batch·head); a cube takes the
-/// tokens `CUBE_POS_X + n · CUBE_COUNT_X`, its units the columns.
+/// rows, d]`, see [`super::cache`]). One cube per (token, batch·head), the pairs along Y
+/// and Z ([`crate::launch::blocks_by_pairs`]); a cube takes the tokens
+/// `CUBE_POS_X + n · CUBE_COUNT_X`, its units the columns.
 #[cube(launch_unchecked)]
 pub fn append_to_cache<F: Float>(
     new: &Tensor<F>,
@@ -28,8 +30,12 @@ pub fn append_to_cache<F: Float>(
     let heads = new.shape(1);
     let tokens = new.shape(2);
     let dim = new.shape(3);
-    let batch = CUBE_POS_Y as usize / heads;
-    let head = CUBE_POS_Y as usize % heads;
+    let pair = batch_head_index();
+    if pair >= new.shape(0) * heads {
+        terminate!();
+    }
+    let batch = pair / heads;
+    let head = pair % heads;
     let length = usize::cast_from(seqlens[batch * seqlens.stride(0)]);
     let mut token = CUBE_POS_X as usize;
     while token < tokens {

@@ -148,6 +148,9 @@ pub fn flash_decode<F: Float>(
         block_kv,
         config.masked,
     );
+    if task.idle {
+        terminate!();
+    }
     let (batch, head_kv) = (task.batch, task.head_kv);
     let blocks = Blocks::covering(task.begin, task.end, block_kv);
     let end_u = usize::cast_from(task.end);

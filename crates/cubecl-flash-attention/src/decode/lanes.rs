@@ -154,6 +154,9 @@ pub fn flash_decode_lanes<F: Float, N: Size>(
         step_keys,
         config.masked,
     );
+    if task.idle {
+        terminate!();
+    }
     let own = comptime!(config.rows_per_lane());
     let slot = UNIT_POS as usize / (lanes_per_key * config.row_groups);
     let first = (UNIT_POS as usize / lanes_per_key) % config.row_groups * own;

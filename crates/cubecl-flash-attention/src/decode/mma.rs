@@ -159,6 +159,9 @@ pub fn flash_decode_mma<F: Float>(
         step,
         config.masked,
     );
+    if task.idle {
+        terminate!();
+    }
     let plane = PLANE_POS as usize;
     let lane = UNIT_POS_PLANE as usize;
     let group = lane / LANES_PER_ROW;

@@ -27,7 +27,8 @@ use crate::bias::{ScoreBias, ScoreTerms, TermsGrad};
 use crate::config::{DeviceLimits, FRAGMENT, portable_columns};
 use crate::error::FlashError;
 use crate::launch::{
-    DeviceTensor, check_dtype, check_spans, readable_by_16_byte_copies, softcap_arg,
+    DeviceTensor, GRID_DIM, blocks_by_pairs, check_dtype, check_spans, readable_by_16_byte_copies,
+    softcap_arg,
 };
 use crate::loop_budget;
 use crate::problem::{AttentionOptions, AttentionProblem, FloatDtype};
@@ -801,13 +802,14 @@ pub fn decode(
             &limits,
         )?;
     }
-    if cubes > u16::MAX as usize || splits > u16::MAX as usize {
+    if cubes > GRID_DIM * GRID_DIM || splits > GRID_DIM {
         return Err(FlashError::Shape {
             arg: "query",
             shape: q.shape.clone(),
             expected: format!(
-                "batch · heads_kv · query blocks ({cubes}) and splits ({splits}) must be at most {}",
-                u16::MAX
+                "batch · heads_kv · query blocks ({cubes}) at most {} and splits ({splits}) at \
+                 most {GRID_DIM}",
+                GRID_DIM * GRID_DIM
             ),
         });
     }
@@ -816,11 +818,7 @@ pub fn decode(
         && s_new > 0
         && geometry.batch * geometry.heads_kv > 0
     {
-        let count = CubeCount::Static(
-            s_new.min(u16::MAX as usize) as u32,
-            (geometry.batch * geometry.heads_kv) as u32,
-            1,
-        );
+        let count = blocks_by_pairs(s_new.min(GRID_DIM), geometry.batch * geometry.heads_kv);
         // Keys turn by the rotary embedding on their way into the cache; values do not.
         for (new, cache, rotate) in [(k_new, &k, rotary), (v_new, &v, RotaryConfig::NONE)] {
             unsafe {
@@ -869,7 +867,7 @@ pub fn decode(
         .options
         .mask
         .kernel_window(problem.seq_q, geometry.capacity);
-    let count = CubeCount::Static(splits as u32, cubes as u32, 1);
+    let count = blocks_by_pairs(splits, cubes);
     match kernel {
         Kernel::Staged(config) => unsafe {
             kernel::flash_decode::launch_unchecked(
@@ -977,7 +975,7 @@ pub fn decode(
     }
     if kernel.is_split() {
         let merge_units = merge::merge_units(problem.dim_v, limits.max_units_per_cube);
-        let x = rows.min(u16::MAX as usize);
+        let x = rows.min(GRID_DIM);
         unsafe {
             merge::merge_by_lse::launch_unchecked(
                 client,

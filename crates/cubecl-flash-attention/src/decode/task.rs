@@ -1,7 +1,8 @@
 //! What one decode cube works on, and where its results go; shared by the decode kernels.
 //!
-//! A cube owns one K/V head of one sequence (`CUBE_POS_Y` enumerates sequence · K/V head ·
-//! block of packed rows) and one split of its key range (`CUBE_POS_X` of `CUBE_COUNT_X`).
+//! A cube owns one K/V head of one sequence (`CUBE_POS_Y`, then `CUBE_POS_Z`, enumerate
+//! sequence · K/V head · block of packed rows, as [`crate::launch::blocks_by_pairs`] lays
+//! them out) and one split of its key range (`CUBE_POS_X` of `CUBE_COUNT_X`).
 //! Its queries are packed: the `group · s_q` queries of the query heads that read the K/V
 //! head are rows `0 .. group · s_q`, row `r` being query `r % s_q` of query head
 //! `head_kv · group + r / s_q`; a cube takes `rows` of them from `first_row`.
@@ -13,9 +14,13 @@ use crate::mask::Mask;
 use crate::rotary::{RotaryConfig, rotated};
 use crate::score_mod::ScoreCall;
 use crate::softmax::{MASKED, RunningState};
+use crate::tile::batch_head_index;
 
 #[derive(CubeType, Clone, Copy)]
 pub struct DecodeTask {
+    /// The cube lies past the launch's last (sequence, K/V head, row block): it has nothing
+    /// to do (its kernel ends at once).
+    pub idle: bool,
     pub batch: usize,
     pub head_kv: usize,
     /// First packed row of the cube.
@@ -56,8 +61,10 @@ impl DecodeTask {
         let group = heads_q / heads_kv;
         let packed = group * seq_q;
         let row_blocks = packed.div_ceil(rows);
-        let cube = CUBE_POS_Y as usize;
-        let batch = cube / row_blocks / heads_kv;
+        let cube = batch_head_index();
+        let batches = seqlens.shape(0);
+        let idle = cube / row_blocks / heads_kv >= batches;
+        let batch = min(cube / row_blocks / heads_kv, batches - 1);
 
         // The keys the sequence's queries see, then this split's share of them.
         let cached = usize::cast_from(seqlens[batch * seqlens.stride(0)]);
@@ -75,6 +82,7 @@ impl DecodeTask {
         let share = ((span + splits - 1) / splits + step - 1) / step * step;
         let begin = min(key_first + CUBE_POS_X as i32 * share, key_last);
         DecodeTask {
+            idle,
             batch,
             head_kv: (cube / row_blocks) % heads_kv,
             first_row: (cube % row_blocks) * rows,
