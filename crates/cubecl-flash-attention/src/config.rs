@@ -357,13 +357,9 @@ pub struct RegisterMmaConfig {
     pub kv_together: bool,
     /// Warpgroup products as wide as the tile allows: `S = Q·Kᵀ` of a 128-key block as one
     /// 128-column product (Q read from shared memory once, not once per 64 keys), and
-    /// `O += P·V` at `d_v = 128` likewise.
+    /// `O += P·V` at `d_v = 128` likewise. Measured on the H100 (d = 128, s = 1k–16k,
+    /// docs/benchmarks.md): 1.04–1.06× the forward of 64-column products.
     pub wide_products: bool,
-    /// Run `O += P·V` of one key block under the next block's softmax (d = 128, 128-key
-    /// blocks, K and V awaited together): a block's `S` and the previous block's `P·V` are
-    /// issued together, the softmax waits for `S` alone, and `O` is rescaled once its
-    /// product is done. V of a block is copied one block later than its K.
-    pub overlap: bool,
     /// Read a key block's bias into registers before the block's `S` product, so that the
     /// loads run under the product rather than after it (when the problem has a bias): the
     /// warpgroup kernels, whose accumulators leave room for the block's bias pairs.
@@ -382,14 +378,6 @@ pub struct RegisterMmaConfig {
 impl RegisterMmaConfig {
     pub fn block_rows(&self) -> usize {
         self.planes * FRAGMENT * self.m_tiles
-    }
-    /// Whether the forward runs [`RegisterMmaConfig::overlap`]: where it applies.
-    pub fn overlapped(&self) -> bool {
-        self.overlap
-            && self.warpgroup.is_some()
-            && self.kv_together
-            && self.block_kv == 128
-            && self.dim_v_padded() == 128
     }
     pub fn units(&self) -> usize {
         self.planes * MMA_SYNC_PLANE
@@ -528,7 +516,6 @@ pub fn choose_register_mma_tiles(
         warpgroup: None,
         kv_together: false,
         wide_products: false,
-        overlap: false,
         bias_ahead: false,
         bias_staged: false,
         batch_inner: false,
@@ -546,8 +533,7 @@ pub fn choose_register_mma_tiles(
             q_in_registers: false,
             warpgroup: Some(dtype),
             kv_together: true,
-            wide_products: false,
-            overlap: false,
+            wide_products: true,
             bias_ahead: true,
             ..base
         };

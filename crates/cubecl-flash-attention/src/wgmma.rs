@@ -26,13 +26,10 @@
 //! number per element. The block names its operands once more in a closing PTX comment,
 //! as `gpu_asm!` wants every operand named in the template.
 //!
-//! A block may also leave its products running ([`Completion`]): its registers are then
-//! written after the block, and a later block ([`await_products`]) waits for them with
-//! `wgmma.wait_group` before anything reads them. Products that accumulate while others
-//! run write their input registers in place (no copies, which the assembler would answer by
-//! waiting for the running products). The assembler checks such pipelines and, where
-//! registers are touched under running products, inserts the waits itself and says so
-//! (`ptxas -v`, C7517/C7519): `tools/compile_check.py` reports those lines.
+//! Products left running across other work (`wgmma.wait_group` later) are checked by the
+//! assembler, which inserts waits itself where registers are touched under running
+//! products and says so (`ptxas -v`, C7517/C7519); `tools/compile_check.py` reports those
+//! lines.
 
 use std::fmt::Write as _;
 
@@ -194,44 +191,17 @@ impl Chain {
     }
 }
 
-/// What a PTX block of products does after issuing them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Completion {
-    /// Commits and waits for them: the block's outputs are the results.
-    Wait,
-    /// Commits them and leaves them running: the block's outputs are the registers the
-    /// products are still writing ([`await_products`] waits for them before they are read).
-    Commit,
-    /// Leaves them uncommitted and running, accumulating in place into the block's
-    /// accumulator inputs, and has no outputs: the caller commits ([`commit_products`]) and
-    /// awaits those inputs. (Accumulating into outputs would copy the inputs first, and the
-    /// assembler, seeing new registers defined under products still running, waits for them.)
-    InPlace,
-}
-
 /// The PTX block of `chains` for `dtype` inputs: chain `i` writes the result elements after
-/// those of the chains before it; all are issued, then committed and waited for as
-/// `completion` says. The inputs, in order: the accumulators of each chain that accumulates
-/// (with [`Completion::InPlace`], where every chain accumulates, these are the block's only
-/// accumulators, numbered from 0); `register_a` groups of 16 A fragments
-/// ([`ASource::Registers`]); per chain, its shared A descriptor's halves (if any) and its B
-/// descriptor's halves.
-pub fn chain_ptx(
-    dtype: FloatDtype,
-    chains: &[Chain],
-    register_a: usize,
-    completion: Completion,
-) -> String {
+/// those of the chains before it; all are issued, then committed and waited for once. The
+/// inputs, in order: the accumulators of each chain that accumulates; `register_a` groups
+/// of 16 A fragments ([`ASource::Registers`]); per chain, its shared A descriptor's halves
+/// (if any) and its B descriptor's halves.
+pub fn chain_ptx(dtype: FloatDtype, chains: &[Chain], register_a: usize) -> String {
     let ty = match dtype {
         FloatDtype::BF16 => "bf16",
         FloatDtype::F16 => "f16",
         FloatDtype::F32 => panic!("warpgroup products take f16 or bf16 inputs"),
     };
-    let in_place = completion == Completion::InPlace;
-    assert!(
-        !in_place || chains.iter().all(|c| c.accumulate),
-        "products accumulate in place only into accumulators they take"
-    );
     let regs = |first: usize, count: usize| {
         (first..first + count)
             .map(|i| format!("%{i}"))
@@ -243,26 +213,20 @@ pub fn chain_ptx(
         "{\n.reg .pred zero, one;\n.reg .b32 flag;\n.reg .b64 da, db;\n\
          mov.b32 flag, 1;\nsetp.eq.b32 zero, flag, 0;\nsetp.eq.b32 one, flag, 1;\n",
     );
-    // Where each chain's accumulators are: outputs side by side, or in place, its inputs.
-    let mut next = if in_place { 0 } else { outputs };
+    // Each chain's accumulators, side by side in the outputs; those that accumulate come in.
+    let mut next = outputs;
     let mut at = 0;
     let mut dest = Vec::with_capacity(chains.len());
     for chain in chains {
         let count = chain.accumulators();
-        if in_place {
-            dest.push(next);
-        } else {
-            dest.push(at);
-            if chain.accumulate {
-                for e in 0..count {
-                    writeln!(ptx, "mov.b32 %{}, %{};", at + e, next + e).unwrap();
-                }
-            }
-        }
-        at += count;
+        dest.push(at);
         if chain.accumulate {
+            for e in 0..count {
+                writeln!(ptx, "mov.b32 %{}, %{};", at + e, next + e).unwrap();
+            }
             next += count;
         }
+        at += count;
     }
     let pool = next;
     next += 16 * register_a;
@@ -312,57 +276,8 @@ pub fn chain_ptx(
             }
         }
     }
-    match completion {
-        Completion::Wait => {
-            ptx.push_str("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n")
-        }
-        Completion::Commit => ptx.push_str("wgmma.commit_group.sync.aligned;\n"),
-        Completion::InPlace => {}
-    }
-    ptx.push('}');
+    ptx.push_str("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}");
     ptx
-}
-
-/// The PTX block of [`await_products`]: waits until at most `pending` groups of products
-/// are still running, then moves the `count` input registers to the outputs.
-pub fn await_ptx(count: usize, pending: usize) -> String {
-    let mut ptx = format!("{{\nwgmma.wait_group.sync.aligned {pending};\n");
-    for e in 0..count {
-        writeln!(ptx, "mov.b32 %{e}, %{};", count + e).unwrap();
-    }
-    ptx.push('}');
-    ptx
-}
-
-/// The accumulators `running` of products left running ([`Completion::Commit`],
-/// [`Completion::InPlace`]),
-/// once at most `pending` groups of products issued since are still running (issued in
-/// order, a group completes no later than those after it). Until then, nothing may read
-/// `running`: the products are still writing its registers.
-#[cube]
-pub fn await_products<N: Size>(
-    running: Vector<f32, N>,
-    #[comptime] pending: usize,
-) -> Vector<f32, N> {
-    let body = comptime!(await_ptx(N::try_value_const().unwrap(), pending));
-    // As in `register_products`: the vector reaches the block as values (the identity
-    // is folded away, so nothing reads the registers before the wait).
-    let running = running * Vector::<f32, N>::cast_from(1.0f32);
-    let done: Vector<f32, N>;
-    gpu_asm!(
-        "{body}\n// {done} {running}",
-        body = const body,
-        done = out(_) done,
-        running = in(_) running,
-    );
-    done
-}
-
-/// Commits the products this unit issued and has not committed as one group (an empty
-/// group if there are none), for [`await_products`] to count.
-#[cube]
-pub fn commit_products() {
-    gpu_asm!("wgmma.commit_group.sync.aligned;");
 }
 
 /// What [`shared_products`] computes: `count` (1 or 2) products `acc_i = A_i·B_iᵀ`, both
@@ -373,7 +288,6 @@ pub struct SharedProducts {
     pub count: usize,
     pub ops: [SharedOperand; 2],
     pub n: usize,
-    pub completion: Completion,
 }
 
 /// The products of `products` in one PTX block (see [`chain_ptx`]), from zero: `descriptors`
@@ -390,7 +304,7 @@ pub fn shared_products<N: Size, M: Size>(
             .map(|i| Chain::scores(products.ops[i], products.n))
             .collect::<Vec<_>>()
     );
-    let body = comptime!(chain_ptx(dtype, &chains, 0, products.completion));
+    let body = comptime!(chain_ptx(dtype, &chains, 0));
     // As in `register_products`: the vector reaches the block as values.
     let descriptors = descriptors | Vector::<u32, M>::cast_from(0u32);
     let acc: Vector<f32, N>;
@@ -407,8 +321,8 @@ pub fn shared_products<N: Size, M: Size>(
 /// `rows` rows of tile `b` (from element `b_at`), both laid out as `layout` and read K-major,
 /// in one PTX block ([`shared_products`]): one product `rows` wide if `wide`, else one per 64
 /// rows. Returns the accumulators, B's rows in order (`N = rows / 2`; `M` is four
-/// descriptor halves per product), complete or still being written as `completion` says
-/// ([`unpack_all`] lays them out as pairs). `S = Q·Kᵀ` in the forward.
+/// descriptor halves per product; [`unpack_all`] lays them out as pairs). `S = Q·Kᵀ` in
+/// the forward.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn scores_against_rows<F: Float, N: Size, M: Size>(
@@ -419,7 +333,6 @@ pub fn scores_against_rows<F: Float, N: Size, M: Size>(
     #[comptime] layout: SharedLayout,
     #[comptime] rows: usize,
     #[comptime] wide: bool,
-    #[comptime] completion: Completion,
     #[comptime] dtype: FloatDtype,
 ) -> Vector<f32, N> {
     let op = comptime!(SharedOperand::new(layout, Major::K));
@@ -442,7 +355,6 @@ pub fn scores_against_rows<F: Float, N: Size, M: Size>(
         count,
         ops: [op, op],
         n,
-        completion,
     });
     shared_products::<N, M>(descriptors, products, dtype)
 }
@@ -495,7 +407,6 @@ pub fn score_products<F: Float>(
         count: 2,
         ops: [op0, op1],
         n: WARPGROUP_COLS,
-        completion: Completion::Wait,
     });
     let acc = shared_products::<Const<64>, Const<8>>(descriptors, products, dtype);
     unpack(acc, 0usize, first, 0);
@@ -522,45 +433,9 @@ pub fn accumulate_from_registers<F: Float, N: Size, M: Size>(
 ) {
     let (values, fragments, b) =
         register_operands::<F, N, M>(&*acc, a, tile, base, layout, reduction, n);
-    let products = comptime!(RegisterProducts::along(
-        layout,
-        reduction,
-        n,
-        Completion::Wait
-    ));
+    let products = comptime!(RegisterProducts::along(layout, reduction, n));
     let sums = register_products(values, fragments, b, products, dtype);
     unpack_all(sums, acc);
-}
-
-/// [`accumulate_from_registers`] left running, where `issue` (else not issued): returns
-/// the accumulators the products write in place (`acc` packed), which nothing may read
-/// before [`await_products`]; the caller commits the products ([`commit_products`]).
-/// `O += P·V` of one key block under the next block's softmax.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn start_accumulating_from_registers<F: Float, N: Size, M: Size>(
-    acc: &Array<Pair<f32>>,
-    a: &Array<Pair<f32>>,
-    tile: &Shared<[F]>,
-    base: usize,
-    issue: bool,
-    #[comptime] layout: SharedLayout,
-    #[comptime] reduction: usize,
-    #[comptime] n: usize,
-    #[comptime] dtype: FloatDtype,
-) -> Vector<f32, N> {
-    let (values, fragments, b) =
-        register_operands::<F, N, M>(acc, a, tile, base, layout, reduction, n);
-    let products = comptime!(RegisterProducts::along(
-        layout,
-        reduction,
-        n,
-        Completion::InPlace
-    ));
-    if issue {
-        issue_register_products_in_place(values, fragments, b, products, dtype);
-    }
-    values
 }
 
 /// The operands of [`accumulate_from_registers`]: the accumulators packed, the A fragments
@@ -599,7 +474,7 @@ fn register_operands<F: Float, N: Size, M: Size>(
 /// What [`register_products`] computes: `count` (1 to 4) products of `n` columns each,
 /// `acc_i += A_(a_of[i]) · B_i` over `16 · k_steps` of the reduction, A from registers
 /// (from group `a_of[i]` of two, a group per 64 of the reduction), each B a shared tile read
-/// as `b`; completed as `completion` says.
+/// as `b`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RegisterProducts {
     pub count: usize,
@@ -607,13 +482,12 @@ pub struct RegisterProducts {
     pub k_steps: usize,
     pub b: SharedOperand,
     pub n: usize,
-    pub completion: Completion,
 }
 
 impl RegisterProducts {
     /// The products of `A · B` with B the `reduction` rows of a tile laid out as `layout`
     /// (read MN-major), its columns in products `n` wide, A from registers.
-    fn along(layout: SharedLayout, reduction: usize, n: usize, completion: Completion) -> Self {
+    fn along(layout: SharedLayout, reduction: usize, n: usize) -> Self {
         let b = SharedOperand::new(layout, Major::MN);
         Self {
             count: b.cols / n,
@@ -621,7 +495,6 @@ impl RegisterProducts {
             k_steps: reduction / WARPGROUP_K,
             b,
             n,
-            completion,
         }
     }
     fn chains(&self) -> Vec<Chain> {
@@ -650,7 +523,7 @@ pub fn register_products<N: Size, M: Size>(
     #[comptime] products: RegisterProducts,
     #[comptime] dtype: FloatDtype,
 ) -> Vector<f32, N> {
-    let body = comptime!(chain_ptx(dtype, &products.chains(), 2, products.completion));
+    let body = comptime!(chain_ptx(dtype, &products.chains(), 2));
     // Vector inputs must reach the PTX block as values, one register per element: built
     // element by element, they live in mutable locals, which CubeCL would pass by address.
     // An identity operation reads them out (the compiler folds it away).
@@ -665,28 +538,6 @@ pub fn register_products<N: Size, M: Size>(
         acc = in(_) acc, a = in(_) a, b = in(_) b,
     );
     result
-}
-
-/// The products of `products` ([`Completion::InPlace`]) issued into the registers of `acc`,
-/// as [`register_products`] takes its operands; nothing is returned, the products still
-/// writing `acc`.
-#[cube]
-fn issue_register_products_in_place<N: Size, M: Size>(
-    acc: Vector<f32, N>,
-    a: Vector<u32, Const<32>>,
-    b: Vector<u32, M>,
-    #[comptime] products: RegisterProducts,
-    #[comptime] dtype: FloatDtype,
-) {
-    let body = comptime!(chain_ptx(dtype, &products.chains(), 2, products.completion));
-    let acc = acc * Vector::<f32, N>::cast_from(1.0f32);
-    let a = a | Vector::<u32, Const<32>>::cast_from(0u32);
-    let b = b | Vector::<u32, M>::cast_from(0u32);
-    gpu_asm!(
-        "{body}\n// {acc} {a} {b}",
-        body = const body,
-        acc = in(_) acc, a = in(_) a, b = in(_) b,
-    );
 }
 
 /// Writes pairs `first..first + 16` of `pairs` to accumulators `at..at + 32` of `acc`.
@@ -794,7 +645,7 @@ mod tests {
             accumulate: false,
             n: 64,
         };
-        let ptx = chain_ptx(FloatDtype::BF16, &[shared, shared], 0, Completion::Wait);
+        let ptx = chain_ptx(FloatDtype::BF16, &[shared, shared], 0);
         // Result %0–%63, then A and B of each chain.
         assert!(ptx.contains("mov.b64 da, {%64, %65};"));
         assert!(ptx.contains("mov.b64 db, {%66, %67};"));
@@ -813,12 +664,7 @@ mod tests {
             accumulate: true,
             n: 64,
         };
-        let ptx = chain_ptx(
-            FloatDtype::F16,
-            &[registers(0), registers(1)],
-            2,
-            Completion::Wait,
-        );
+        let ptx = chain_ptx(FloatDtype::F16, &[registers(0), registers(1)], 2);
         // Result %0–%63; accumulators in %64–%127; A groups %128–%143, %144–%159; the B
         // descriptors %160–%161, %162–%163.
         assert!(ptx.contains("mov.b32 %0, %64;"));
@@ -834,41 +680,25 @@ mod tests {
     }
 
     #[test]
-    fn wide_products_and_running_products_number_their_operands() {
+    fn wide_products_number_their_operands() {
+        // One 128-column product: 64 accumulators, then A and B.
         let k_major = SharedOperand::new(SharedLayout::Swizzled { cols: 128 }, Major::K);
-        // One 128-column product: 64 accumulators, then A and B; committed, not waited for.
-        let ptx = chain_ptx(
-            FloatDtype::BF16,
-            &[Chain::scores(k_major, 128)],
-            0,
-            Completion::Commit,
-        );
+        let ptx = chain_ptx(FloatDtype::BF16, &[Chain::scores(k_major, 128)], 0);
         assert!(ptx.contains("m64n128k16.f32.bf16.bf16 {%0, %1,"));
         assert!(ptx.contains("%63}, da, db, zero, 1, 1, 0, 0;"));
         assert!(ptx.contains("mov.b64 da, {%64, %65};"));
         assert!(ptx.contains("mov.b64 db, {%66, %67};"));
-        assert!(ptx.contains("wgmma.commit_group"));
-        assert!(!ptx.contains("wgmma.wait_group"));
 
-        // In place: the accumulators are the inputs %0–%63, no copies, nothing committed.
+        // `O += P·V` at d = 128 as one product: accumulators in %64–%127, A in %128–%159.
+        let products = RegisterProducts::along(SharedLayout::Swizzled { cols: 128 }, 128, 128);
         let mn = SharedOperand::new(SharedLayout::Swizzled { cols: 128 }, Major::MN);
-        let products = RegisterProducts::along(
-            SharedLayout::Swizzled { cols: 128 },
-            128,
-            128,
-            Completion::InPlace,
-        );
         assert_eq!((products.count, products.b, products.k_steps), (1, mn, 8));
-        let ptx = chain_ptx(FloatDtype::BF16, &products.chains(), 2, Completion::InPlace);
-        assert!(!ptx.contains("mov.b32 %"));
+        let ptx = chain_ptx(FloatDtype::BF16, &products.chains(), 2);
+        assert!(ptx.contains("mov.b32 %63, %127;"));
         assert!(ptx.contains("m64n128k16.f32.bf16.bf16 {%0, %1,"));
-        assert!(ptx.contains("%63}, {%64, %65, %66, %67}, db, one, 1, 1, 1;"));
-        assert!(ptx.contains("%63}, {%92, %93, %94, %95}, db, one, 1, 1, 1;"));
-        assert!(ptx.contains("mov.b64 db, {%96, %97};"));
-        assert!(!ptx.contains("commit_group") && !ptx.contains("wait_group"));
-
-        let wait = await_ptx(64, 1);
-        assert!(wait.starts_with("{\nwgmma.wait_group.sync.aligned 1;\nmov.b32 %0, %64;"));
-        assert!(wait.contains("mov.b32 %63, %127;"));
+        assert!(ptx.contains("%63}, {%128, %129, %130, %131}, db, one, 1, 1, 1;"));
+        assert!(ptx.contains("%63}, {%156, %157, %158, %159}, db, one, 1, 1, 1;"));
+        assert!(ptx.contains("mov.b64 db, {%160, %161};"));
+        assert_eq!(ptx.matches("wgmma.wait_group").count(), 1);
     }
 }

@@ -50,7 +50,7 @@ use crate::tile::{
     RowLayout, SharedLayout, batch_head_index, stage_rows_async, stage_vectors_async,
 };
 use crate::wgmma::{
-    ACCUMULATORS, Completion, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
+    ACCUMULATORS, Major, RegisterProducts, SharedOperand, WARPGROUP_COLS, descriptor,
     fence_shared_for_products, pack, pack_descriptor, pack_register_a, register_products,
     score_products, unpack, warpgroup_rows,
 };
@@ -819,7 +819,6 @@ fn key_gradient_products<F: Float, N: Size, M: Size>(
         k_steps: 4,
         b: rows,
         n: WARPGROUP_COLS,
-        completion: Completion::Wait,
     });
     let acc = register_products(acc, a, b, products, dtype);
     #[unroll]

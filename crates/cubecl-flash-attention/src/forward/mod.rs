@@ -472,9 +472,8 @@ fn plan(
 /// `FLASH_WGMMA_FWD_TILES=planes,block_kv[,together]` (e.g. `8,64` or `8,128,0`) sets the
 /// warpgroup kernel's tiles (and whether K and V are awaited together),
 /// `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers` (e.g. `2,64,0`) the `mma.sync` kernel's;
-/// `FLASH_WGMMA_WIDE=0|1` and `FLASH_WGMMA_OVERLAP=0|1` turn the warpgroup forward's wide
-/// products and its overlap of `P·V` with the next softmax off or on
-/// ([`RegisterMmaConfig::wide_products`], [`RegisterMmaConfig::overlap`]);
+/// `FLASH_WGMMA_WIDE=0` takes 64-column warpgroup products in the forward
+/// ([`RegisterMmaConfig::wide_products`]);
 /// `FLASH_BIAS_AHEAD=0` reads the bias after the products
 /// ([`RegisterMmaConfig::bias_ahead`]; `=fwd` keeps the forward's alone, see
 /// `backward::tuned`).
@@ -493,17 +492,8 @@ pub(crate) fn register_mma_config(
     if std::env::var("FLASH_BIAS_AHEAD").as_deref() == Ok("0") {
         config.bias_ahead = false;
     }
-    if config.warpgroup.is_some() {
-        match std::env::var("FLASH_WGMMA_WIDE").as_deref() {
-            Ok("1") => config.wide_products = true,
-            Ok("0") => config.wide_products = false,
-            _ => {}
-        }
-        match std::env::var("FLASH_WGMMA_OVERLAP").as_deref() {
-            Ok("1") => config.overlap = config.kv_together && config.block_kv == 128,
-            Ok("0") => config.overlap = false,
-            _ => {}
-        }
+    if std::env::var("FLASH_WGMMA_WIDE").as_deref() == Ok("0") {
+        config.wide_products = false;
     }
     let shared_bytes =
         |config: &RegisterMmaConfig| config.forward_shared_bytes(problem.dtype.size());
@@ -516,14 +506,12 @@ pub(crate) fn register_mma_config(
                 [planes @ (4 | 8), block_kv @ (64 | 128)] => {
                     config.planes = planes;
                     config.block_kv = block_kv;
-                    config.overlap &= block_kv == 128;
                     true
                 }
                 [planes @ (4 | 8), block_kv @ (64 | 128), together @ (0 | 1)] => {
                     config.planes = planes;
                     config.block_kv = block_kv;
                     config.kv_together = together == 1;
-                    config.overlap &= config.kv_together && block_kv == 128;
                     true
                 }
                 _ => false,

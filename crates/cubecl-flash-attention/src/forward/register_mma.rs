@@ -18,13 +18,8 @@
 //! `mma.sync` layout. There K and V of a block are awaited together at its start: each
 //! arrival needs a proxy fence and a cube barrier before the products read it, and one per
 //! block ran 3–8% faster than two ([`RegisterMmaConfig::kv_together`]). A 128-key block's
-//! `S` is one 128-column product ([`RegisterMmaConfig::wide_products`]). At d = 128 the
-//! products of one block overlap the softmax of the next ([`RegisterMmaConfig::overlap`],
-//! FlashAttention-3's intra-warpgroup pipelining): block `j` issues `S_j = Q·K_jᵀ`, then
-//! `O += P_(j−1)·V_(j−1)` behind it, waits for `S_j` alone, runs its softmax while `P·V`
-//! runs, and rescales `O` once that is done; the last block's `P·V` follows the loop. V of
-//! a block is then copied with K of the next (its stage is free once the `P·V` two blocks
-//! back is done), so one barrier per block still covers both.
+//! `S` is one 128-column product, and `O += P·V` at d = 128 too
+//! ([`RegisterMmaConfig::wide_products`]).
 //!
 //! The row sums stay per lane until the epilogue, where the four lanes of a row add them.
 //! Mask arithmetic runs only in the key blocks that straddle the mask's edge or the
@@ -50,9 +45,8 @@ use crate::softmax::{LOG2_E, MASKED, exp2_approx, row_reduce_max, row_reduce_sum
 use crate::stages::StageBarriers;
 use crate::tile::{Head, RowLayout, SharedLayout, last_first, stage_rows_async};
 use crate::wgmma::{
-    Completion, Major, SharedOperand, WARPGROUP_COLS, accumulate_from_registers, await_products,
-    commit_products, fence_shared_for_products, scores_against_rows,
-    start_accumulating_from_registers, unpack_all, warpgroup_rows,
+    Major, SharedOperand, WARPGROUP_COLS, accumulate_from_registers, fence_shared_for_products,
+    scores_against_rows, unpack_all, warpgroup_rows,
 };
 
 /// Lanes sharing one row of an accumulator tile.
@@ -107,7 +101,6 @@ pub fn flash_forward_mma<F: Float>(
     let warpgroup = comptime!(config.warpgroup.is_some());
     let dtype = comptime!(config.warpgroup.unwrap_or(FloatDtype::BF16));
     let wide = comptime!(config.wide_products);
-    let overlap = comptime!(config.overlapped());
     let (qk_layout, v_layout, align) = comptime!(config.shared_layouts());
     let k_stage = comptime!(qk_layout.len(block_kv));
     let v_stage = comptime!(v_layout.len(block_kv));
@@ -279,24 +272,21 @@ pub fn flash_forward_mma<F: Float>(
             qk_layout,
             units,
         );
-        // Overlapped, V of a block is copied with K of the next.
-        if comptime!(!overlap) {
-            stage_block(
-                v,
-                &v_rows,
-                &head,
-                &sequence,
-                k0,
-                &mut v_tile,
-                0,
-                &v_landed,
-                block_kv,
-                config.dim_v,
-                dv,
-                v_layout,
-                units,
-            );
-        }
+        stage_block(
+            v,
+            &v_rows,
+            &head,
+            &sequence,
+            k0,
+            &mut v_tile,
+            0,
+            &v_landed,
+            block_kv,
+            config.dim_v,
+            dv,
+            v_layout,
+            units,
+        );
     }
 
     // The next block's first key, read one block ahead: with a block mask it comes from the
@@ -337,15 +327,10 @@ pub fn flash_forward_mma<F: Float>(
             }
         }
 
-        // K of this block (and Q, with the first; and V, when awaited together: overlapped,
-        // V of the previous block) has landed; every unit is done with the previous block,
-        // so the other stage may be refilled.
+        // K of this block (and Q, with the first; and V, when awaited together) has landed;
+        // every unit is done with the previous block, so the other stage may be refilled.
         k_landed.wait(stage, 2usize);
-        if comptime!(overlap) {
-            if block > 0 {
-                v_landed.wait(next, 2usize);
-            }
-        } else if comptime!(config.kv_together) {
+        if comptime!(config.kv_together) {
             v_landed.wait(stage, 2usize);
         }
         if comptime!(warpgroup) {
@@ -390,7 +375,7 @@ pub fn flash_forward_mma<F: Float>(
                 qk_layout,
                 units,
             );
-            if comptime!(config.kv_together && !overlap) {
+            if comptime!(config.kv_together) {
                 stage_block(
                     v,
                     &v_rows,
@@ -408,86 +393,19 @@ pub fn flash_forward_mma<F: Float>(
                 );
             }
         }
-        // Overlapped: V of this block, into the stage whose block's `P·V` (two blocks back)
-        // every unit has waited for.
-        if comptime!(overlap) {
-            stage_block(
-                v,
-                &v_rows,
-                &head,
-                &sequence,
-                usize::cast_from(k0),
-                &mut v_tile,
-                stage,
-                &v_landed,
-                block_kv,
-                config.dim_v,
-                dv,
-                v_layout,
-                units,
-            );
-        }
-
         // 1. S = Q·Kᵀ (warpgroup products: the warpgroup's 64 queries × the block's keys,
-        // writing every pair). Overlapped, `O += P·V` of the previous block (none before the
-        // first) is issued behind it and runs under this block's softmax; the softmax waits
-        // for `S` alone.
+        // writing every pair).
         let k_base = stage * k_stage;
         let q_at = warpgroup_rows(qk_layout);
-        let o_running = if comptime!(overlap) {
-            let s_running = scores_against_rows::<F, Const<64>, Const<8>>(
-                &q_tile,
-                q_at,
-                &k_tile,
-                k_base,
-                qk_layout,
-                block_kv,
-                wide,
-                Completion::Commit,
-                dtype,
-            );
-            let o_running = start_accumulating_from_registers::<F, Const<64>, Const<4>>(
-                &o_acc,
-                &s_acc,
-                &v_tile,
-                next * v_stage,
-                block > 0,
-                v_layout,
-                block_kv,
-                comptime!(if wide { dv } else { WARPGROUP_COLS }),
-                dtype,
-            );
-            commit_products();
-            unpack_all(await_products(s_running, 1usize), &mut s_acc);
-            o_running
-        } else {
-            Vector::<f32, Const<64>>::cast_from(0.0f32)
-        };
-        if comptime!(warpgroup && !overlap) {
+        if comptime!(warpgroup) {
             if comptime!(block_kv == 128) {
                 let s = scores_against_rows::<F, Const<64>, Const<8>>(
-                    &q_tile,
-                    q_at,
-                    &k_tile,
-                    k_base,
-                    qk_layout,
-                    block_kv,
-                    wide,
-                    Completion::Wait,
-                    dtype,
+                    &q_tile, q_at, &k_tile, k_base, qk_layout, block_kv, wide, dtype,
                 );
                 unpack_all(s, &mut s_acc);
             } else {
                 let s = scores_against_rows::<F, Const<32>, Const<4>>(
-                    &q_tile,
-                    q_at,
-                    &k_tile,
-                    k_base,
-                    qk_layout,
-                    block_kv,
-                    wide,
-                    Completion::Wait,
-                    dtype,
+                    &q_tile, q_at, &k_tile, k_base, qk_layout, block_kv, wide, dtype,
                 );
                 unpack_all(s, &mut s_acc);
             }
@@ -680,9 +598,6 @@ pub fn flash_forward_mma<F: Float>(
                 row_sum[r] += block_sum;
             }
         }
-        if comptime!(overlap) {
-            unpack_all(await_products(o_running, 0usize), &mut o_acc);
-        }
         if rescale {
             #[unroll]
             for r in 0..comptime!(2 * m_tiles) {
@@ -736,7 +651,7 @@ pub fn flash_forward_mma<F: Float>(
         // Each V fragment serves every query tile of the plane (warpgroup products: all keys
         // of the block, 64 columns of O per product).
         let v_base = stage * v_stage;
-        if comptime!(warpgroup && !overlap) {
+        if comptime!(warpgroup) {
             accumulate_all(
                 &mut o_acc, &s_acc, &v_tile, v_base, v_layout, block_kv, wide, dtype,
             );
@@ -769,18 +684,6 @@ pub fn flash_forward_mma<F: Float>(
         }
         next_k0 = usize::cast_from(ahead);
     }
-    // Overlapped: `O += P·V` of the last block, once its V has landed.
-    if comptime!(overlap) && blocks.count > 0 {
-        let stage = usize::cast_from((blocks.count - 1) % 2);
-        v_landed.wait(stage, 2usize);
-        fence_shared_for_products();
-        sync_cube();
-        let v_base = stage * v_stage;
-        accumulate_all(
-            &mut o_acc, &s_acc, &v_tile, v_base, v_layout, block_kv, wide, dtype,
-        );
-    }
-
     // Epilogue: the four lanes of a row add their sums; normalize and write O and the LSE.
     #[unroll]
     for t in 0..m_tiles {
