@@ -358,7 +358,8 @@ pub struct RegisterMmaConfig {
     /// Warpgroup products as wide as the tile allows: `S = Q·Kᵀ` of a 128-key block as one
     /// 128-column product (Q read from shared memory once, not once per 64 keys), and
     /// `O += P·V` at `d_v = 128` likewise. Measured on the H100 (d = 128, s = 1k–16k,
-    /// docs/benchmarks.md): 1.04–1.06× the forward of 64-column products.
+    /// docs/benchmarks.md): 1.04–1.06× the forward of 64-column products. Off until the
+    /// oracle tests have run with it on a GPU (`FLASH_WGMMA_WIDE=1` turns it on).
     pub wide_products: bool,
     /// Read a key block's bias into registers before the block's `S` product, so that the
     /// loads run under the product rather than after it (when the problem has a bias): the
@@ -533,7 +534,7 @@ pub fn choose_register_mma_tiles(
             q_in_registers: false,
             warpgroup: Some(dtype),
             kv_together: true,
-            wide_products: true,
+            wide_products: false,
             bias_ahead: true,
             ..base
         };

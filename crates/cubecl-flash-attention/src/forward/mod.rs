@@ -472,7 +472,7 @@ fn plan(
 /// `FLASH_WGMMA_FWD_TILES=planes,block_kv[,together]` (e.g. `8,64` or `8,128,0`) sets the
 /// warpgroup kernel's tiles (and whether K and V are awaited together),
 /// `FLASH_MMA_TILES=m_tiles,block_kv,q_in_registers` (e.g. `2,64,0`) the `mma.sync` kernel's;
-/// `FLASH_WGMMA_WIDE=0` takes 64-column warpgroup products in the forward
+/// `FLASH_WGMMA_WIDE=1` takes 128-column warpgroup products in the forward
 /// ([`RegisterMmaConfig::wide_products`]);
 /// `FLASH_BIAS_AHEAD=0` reads the bias after the products
 /// ([`RegisterMmaConfig::bias_ahead`]; `=fwd` keeps the forward's alone, see
@@ -492,8 +492,8 @@ pub(crate) fn register_mma_config(
     if std::env::var("FLASH_BIAS_AHEAD").as_deref() == Ok("0") {
         config.bias_ahead = false;
     }
-    if std::env::var("FLASH_WGMMA_WIDE").as_deref() == Ok("0") {
-        config.wide_products = false;
+    if config.warpgroup.is_some() && std::env::var("FLASH_WGMMA_WIDE").as_deref() == Ok("1") {
+        config.wide_products = true;
     }
     let shared_bytes =
         |config: &RegisterMmaConfig| config.forward_shared_bytes(problem.dtype.size());

@@ -18,8 +18,8 @@
 //! `mma.sync` layout. There K and V of a block are awaited together at its start: each
 //! arrival needs a proxy fence and a cube barrier before the products read it, and one per
 //! block ran 3–8% faster than two ([`RegisterMmaConfig::kv_together`]). A 128-key block's
-//! `S` is one 128-column product, and `O += P·V` at d = 128 too
-//! ([`RegisterMmaConfig::wide_products`]).
+//! `S` may be one 128-column product, and `O += P·V` at d = 128 too
+//! ([`RegisterMmaConfig::wide_products`], on request until tested on a GPU).
 //!
 //! The row sums stay per lane until the epilogue, where the four lanes of a row add them.
 //! Mask arithmetic runs only in the key blocks that straddle the mask's edge or the
@@ -393,6 +393,7 @@ pub fn flash_forward_mma<F: Float>(
                 );
             }
         }
+
         // 1. S = Q·Kᵀ (warpgroup products: the warpgroup's 64 queries × the block's keys,
         // writing every pair).
         let k_base = stage * k_stage;
@@ -563,17 +564,20 @@ pub fn flash_forward_mma<F: Float>(
             outgrown = outgrown
                 || m * exponent_scale > row_max[r] * exponent_scale + f32::new(RESCALE_SLACK);
         }
-        // The factors `O` is rescaled by, applied once its product is done.
-        let rescale = plane_any(outgrown);
-        let mut alpha = Array::<f32>::new(comptime!(2 * m_tiles));
-        if rescale {
+        if plane_any(outgrown) {
             #[unroll]
             for r in 0..comptime!(2 * m_tiles) {
                 let m_new = max(row_max[r], block_row_max(&s_acc, r, s_tiles));
-                alpha[r] =
+                let alpha =
                     exp2_approx(row_max[r] * exponent_scale - reference(m_new, exponent_scale));
                 row_max[r] = m_new;
-                row_sum[r] *= alpha[r];
+                row_sum[r] *= alpha;
+                let alpha_pair = Pair::<f32>::cast_from(alpha);
+                #[unroll]
+                for n in 0..o_tiles {
+                    let at = 2 * ((r / 2) * o_tiles + n) + r % 2;
+                    o_acc[at] = o_acc[at] * alpha_pair;
+                }
             }
         }
         #[unroll]
@@ -596,17 +600,6 @@ pub fn flash_forward_mma<F: Float>(
                     s_acc[at] = pair;
                 }
                 row_sum[r] += block_sum;
-            }
-        }
-        if rescale {
-            #[unroll]
-            for r in 0..comptime!(2 * m_tiles) {
-                let alpha_pair = Pair::<f32>::cast_from(alpha[r]);
-                #[unroll]
-                for n in 0..o_tiles {
-                    let at = 2 * ((r / 2) * o_tiles + n) + r % 2;
-                    o_acc[at] = o_acc[at] * alpha_pair;
-                }
             }
         }
         // Dropout on the probabilities that multiply V, after their sum was taken.
@@ -684,6 +677,7 @@ pub fn flash_forward_mma<F: Float>(
         }
         next_k0 = usize::cast_from(ahead);
     }
+
     // Epilogue: the four lanes of a row add their sums; normalize and write O and the LSE.
     #[unroll]
     for t in 0..m_tiles {
